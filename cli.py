@@ -1,0 +1,201 @@
+"""specstream command line: run, chat, batch. Flags -> config objects -> library calls -> output."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MAX_NEW_TOKENS = 256
+EXIT_USER_ERROR, EXIT_SKIPPED = 2, 3
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--target", default=None,
+                       help="target model: HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--draft", default=None, help="draft model folder for speculative decoding (default: none)")
+    group.add_argument("--no-draft", action="store_true", help="never use a draft model (default: off)")
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (default: auto)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                       help="compute dtype (default: auto = fp32 on CPU, bf16 on CUDA)")
+    group.add_argument("--context", type=int, default=4096, help="KV cache size in tokens (default: 4096)")
+    group.add_argument("--download", action="store_true",
+                       help="allow downloading a Hub model that is not in the local cache (default: off)")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                       help=f"tokens to generate at most (default: {DEFAULT_MAX_NEW_TOKENS})")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding (default: 0)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0 = off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top prob (default: 0 = off)")
+    group.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specstream", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     description="Run large language models on one consumer GPU or a CPU.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="answer one prompt, streaming the text")
+    run.add_argument("prompt", help="the user message (or raw text with --raw)")
+    run.add_argument("--system", default=None, help="add a system turn (default: the template's own)")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--json", action="store_true", help="print one JSON object with text and stats at the end")
+    chat = commands.add_parser("chat", help="multi-turn chat (/reset, /system TEXT, /stats, /quit)")
+    chat.add_argument("--system", default=None, help="system prompt for the conversation (default: none)")
+    batch = commands.add_parser("batch", help="answer every line of a JSONL file, resumable")
+    batch.add_argument("input", type=Path, help='JSONL lines {"id", "prompt"} or OpenAI batch lines')
+    batch.add_argument("-o", "--output", type=Path, required=True, help="OpenAI batch-output JSONL (appended)")
+    for sub in (run, chat, batch):
+        _add_model_flags(sub)
+        _add_sampling_flags(sub)
+    return parser
+
+
+def _sampling(args):
+    from spec import SamplingConfig
+    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+
+
+def _session(args, console):
+    from runtime import RuntimeConfig, Session
+    config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
+                           args.download)
+    return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+
+
+def _messages(system: str | None, history: list[dict[str, str]]) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + history
+
+
+def cmd_run(args, console) -> int:
+    sampling = _sampling(args)
+    session = _session(args, console)
+    if args.raw:
+        prompt_ids = session.encode(raw=args.prompt)
+    else:
+        prompt_ids = session.encode(_messages(args.system, [{"role": "user", "content": args.prompt}]))
+    on_text = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    text, result = session.generate(prompt_ids, sampling, args.max_new_tokens, on_text)
+    if args.json:
+        print(json.dumps(session.report(text, result), ensure_ascii=False))
+    else:
+        print()
+        console.print(_footer(session.report(text, result)), style="dim")
+    return 0
+
+
+def _footer(report: dict) -> str:
+    return (f"{report['num_new_tokens']} tokens · {report['tokens_per_second']:.1f} tok/s · "
+            f"{report['tokens_per_pass']:.2f} tok/pass · peak {report['peak_device_bytes'] / 2**20:.0f} MiB "
+            f"· {report['stop_reason']}")
+
+
+def cmd_chat(args, console) -> int:
+    sampling = _sampling(args)
+    session = _session(args, console)
+    system, history, last = args.system, [], None
+    console.print("[dim]chat: /reset, /system TEXT, /stats, /quit; Ctrl-C stops an answer[/dim]")
+    while True:
+        try:
+            line = console.input("[bold green]you>[/bold green] ")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return 0
+        command, _, rest = line.strip().partition(" ")
+        if command == "/quit":
+            return 0
+        if command == "/reset":
+            history, last = [], None
+            session.reset()
+            console.print("[dim]conversation cleared[/dim]")
+            continue
+        if command == "/system":
+            system, history = rest or None, []
+            console.print(f"[dim]system prompt {'set' if rest else 'cleared'}; conversation cleared[/dim]")
+            continue
+        if command == "/stats":
+            console.print_json(data=last) if last else console.print("[dim]no answer yet[/dim]")
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        last = _chat_answer(session, sampling, args.max_new_tokens, _messages(system, history), history, console)
+
+
+def _chat_answer(session, sampling, max_new_tokens, messages, history, console) -> dict | None:
+    pieces: list[str] = []
+
+    def on_text(delta: str) -> None:
+        pieces.append(delta)
+        print(delta, end="", flush=True)
+
+    try:
+        text, result = session.generate(session.encode(messages), sampling, max_new_tokens, on_text)
+    except KeyboardInterrupt:
+        print()
+        console.print("[dim](answer stopped)[/dim]")
+        history.append({"role": "assistant", "content": "".join(pieces)})
+        return None
+    print()
+    report = session.report(text, result)
+    console.print(_footer(report), style="dim")
+    history.append({"role": "assistant", "content": text})
+    return report
+
+
+def cmd_batch(args, console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from runtime import run_batch
+    if not args.input.is_file():
+        raise FileNotFoundError(f"batch input not found: {args.input}")
+    sampling = _sampling(args)
+    session = _session(args, console)
+
+    def generate(item, item_sampling, max_tokens):
+        text, result = session.generate(session.encode(item.messages), item_sampling, max_tokens)
+        return text, session.report(text, result)
+
+    columns = (TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("batch", total=None)
+        summary = run_batch(args.input, args.output, generate, sampling, args.max_new_tokens, session.model_name,
+                            on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    for skipped in summary.skipped_lines:
+        console.print(f"[yellow]skipped {skipped}[/yellow]")
+    console.print(f"{summary.num_completed} completed, {summary.num_failed} failed, "
+                  f"{summary.num_done_before} already done, {len(summary.skipped_lines)} lines skipped")
+    return 0 if summary.is_clean else EXIT_SKIPPED
+
+
+COMMANDS = {"run": cmd_run, "chat": cmd_chat, "batch": cmd_batch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        return COMMANDS[args.command](args, console)
+    except KeyboardInterrupt:
+        console.print("[dim]interrupted[/dim]")
+        return 130
+    except Exception as err:  # user errors: one clear line; SPECSTREAM_DEBUG=1 shows the traceback
+        if os.environ.get("SPECSTREAM_DEBUG") or not _is_user_error(err):
+            raise
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        return EXIT_USER_ERROR
+
+
+def _is_user_error(err: Exception) -> bool:
+    from runtime import UserError
+    return isinstance(err, (UserError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

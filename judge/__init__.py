@@ -1,0 +1,1 @@
+"""judge/: the AutoJudge acceptance classifier (a later issue)."""

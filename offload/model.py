@@ -1,0 +1,97 @@
+"""The layer-wise decoder forward: (tokens, positions, mask, cache) -> logits and hidden states.
+
+Weights arrive one decoder layer at a time from a LayerProvider; whether a layer was resident or
+streamed from RAM or disk is the provider's business, never the forward's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig
+from .kvcache import KVCache
+from .layers import decoder_layer, linear, rms_norm
+from .masks import apply_sliding_window, causal_mask
+from .rope import Rotary
+
+
+class LayerProvider(Protocol):
+    """Hands out each decoder layer's weights on the compute device, in order, once per pass."""
+
+    def begin_pass(self) -> None: ...
+
+    def get(self, index: int) -> dict[str, Tensor]: ...
+
+    def release(self, index: int) -> None: ...
+
+    def end_pass(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: Tensor              # [B, N, V] (or [B, 1, V] with last_only)
+    hidden: Tensor | None       # [B, N, H] final-norm hidden states, when asked for
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, globals_: dict[str, Tensor], layers: LayerProvider,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config, self.layers, self.device, self.dtype = config, layers, device, dtype
+        self.embed = globals_["embed"]
+        self.norm = globals_["norm"]
+        self.lm_head = globals_.get("lm_head", self.embed)
+        self.rotary = Rotary(config.rope, config.head_dim, config.max_position, device)
+        self.num_passes = 0
+
+    def new_cache(self, max_length: int, batch_size: int = 1) -> KVCache:
+        return KVCache(self.config, max_length, self.device, self.dtype, batch_size)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
+                mask: Tensor | None = None, return_hidden: bool = False,
+                last_only: bool = False) -> ForwardOutput:
+        """tokens [B, N]; positions [B, N] (default: cache.length + arange); mask [B, N, length + N]
+        or [N, length + N] bool (default: causal). Appends N pending slots to `cache`."""
+        tokens = tokens.to(self.device)
+        batch, num_new = tokens.shape
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + num_new, device=self.device).expand(batch, -1)
+        positions = positions.to(self.device)
+        if mask is None:
+            mask = causal_mask(cache.length, num_new, self.device)
+        mask = self._full_mask(mask.to(self.device).expand(batch, -1, -1), positions, cache)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x = F.embedding(tokens, self.embed).to(self.dtype)
+        self.layers.begin_pass()
+        try:
+            for index in range(self.config.num_layers):
+                x = decoder_layer(x, self.layers.get(index), self.config, index, cos, sin, mask[:, None], cache)
+                self.layers.release(index)
+        finally:
+            self.layers.end_pass()
+        self.num_passes += 1
+        if last_only:
+            x = x[:, -1:]
+        hidden = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = linear(hidden, self.lm_head).float()
+        return ForwardOutput(logits, hidden if return_hidden else None)
+
+    def _full_mask(self, mask: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        expected = cache.length + positions.shape[1]
+        if mask.shape[-1] != expected:
+            raise ValueError(f"mask covers {mask.shape[-1]} keys; cache + new tokens = {expected}")
+        window = self.config.sliding_window
+        if window is None or expected <= window:
+            return mask
+        key_positions = torch.cat((self._cache_positions(cache, positions), positions), dim=1)
+        return apply_sliding_window(mask, key_positions, positions, window)
+
+    @staticmethod
+    def _cache_positions(cache: KVCache, positions: Tensor) -> Tensor:
+        # Committed slots hold a contiguous sequence: slot i has position i.
+        cached = torch.arange(cache.length, device=positions.device)
+        return cached.expand(positions.shape[0], -1)

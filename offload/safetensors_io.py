@@ -1,0 +1,128 @@
+"""A validating, memory-mapping safetensors reader: tensors are zero-copy views of the mapped file."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class CorruptCheckpointError(ValueError):
+    """A weights file is truncated or its header is inconsistent."""
+
+
+@dataclass(slots=True, frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.end - self.start
+
+
+class SafetensorsFile:
+    """One `.safetensors` file: header parsed and checked at open, data memory-mapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.entries, self.metadata = read_header(self.path)
+        with open(self.path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            self._map = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+
+    def tensor(self, name: str) -> Tensor:
+        """A view into the mapped file (copy-on-write mapping: no copy unless written)."""
+        entry = self.entries[name]
+        if entry.num_bytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        buffer = memoryview(self._map)[entry.start:entry.end]
+        return torch.frombuffer(buffer, dtype=entry.dtype).view(entry.shape)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Parses and validates the header; every error names the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CorruptCheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CorruptCheckpointError(
+                    f"{path}: header length {header_len} exceeds the file size {size} (truncated or not safetensors)")
+            header = json.loads(handle.read(header_len))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({err})") from None
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    entries = {name: _entry(path, name, raw, data_start, size) for name, raw in header.items()}
+    return entries, metadata
+
+
+def _entry(path: Path, name: str, raw: dict, data_start: int, file_size: int) -> TensorEntry:
+    try:
+        dtype = DTYPES[raw["dtype"]]
+        shape = tuple(int(d) for d in raw["shape"])
+        begin, end = (int(x) for x in raw["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpointError(f"{path}: tensor {name!r} has a malformed header entry {raw!r}") from None
+    expected = dtype.itemsize * _numel(shape)
+    if end - begin != expected or begin < 0:
+        raise CorruptCheckpointError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but shape {shape} {raw['dtype']} needs {expected}")
+    if data_start + end > file_size:
+        raise CorruptCheckpointError(
+            f"{path}: tensor {name!r} ends at byte {data_start + end} beyond the file size {file_size} (truncated)")
+    return TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Writes tensors (any order) atomically: a temp file renamed into place."""
+    path = Path(path)
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for tensor in tensors.values():
+            out.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""quant/: SpQR-style packed weights (a later issue)."""

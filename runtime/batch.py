@@ -1,0 +1,163 @@
+"""Resumable batch runs over JSONL.
+
+Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `body.messages`,
+`body.max_tokens`, `body.temperature`, `body.top_p`). Output: one OpenAI batch-output line per
+input, flushed and fsynced as it completes; a rerun skips ids already in the output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from spec import SamplingConfig
+
+
+@dataclass(slots=True)
+class BatchItem:
+    id: str
+    messages: list[dict[str, str]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    num_inputs: int = 0
+    num_done_before: int = 0
+    num_completed: int = 0
+    num_failed: int = 0
+    skipped_lines: list[str] = field(default_factory=list)   # "line N: why"
+
+    @property
+    def is_clean(self) -> bool:
+        return not self.skipped_lines and not self.num_failed
+
+
+def parse_line(text: str) -> BatchItem:
+    """One input line -> BatchItem; raises ValueError naming what is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("a line must be a JSON object")
+    if "custom_id" in raw:
+        body = raw.get("body")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise ValueError("an OpenAI batch line needs body.messages (a non-empty list)")
+        for message in body["messages"]:
+            if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
+                raise ValueError("each message needs a role and a string content")
+        return BatchItem(str(raw["custom_id"]), body["messages"], _opt(body, "max_tokens", int),
+                         _opt(body, "temperature", float), _opt(body, "top_p", float))
+    if "id" in raw and isinstance(raw.get("prompt"), str):
+        return BatchItem(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}],
+                         _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float))
+    raise ValueError('expected {"id", "prompt"} or an OpenAI batch line with custom_id and body')
+
+
+def _opt(raw: dict, key: str, kind: type):
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    return kind(value)
+
+
+def read_inputs(path: Path, summary: BatchSummary) -> list[BatchItem]:
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read batch input {path}: {err}") from None
+    items, seen = [], set()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            item = parse_line(text)
+        except ValueError as err:
+            summary.skipped_lines.append(f"line {number}: {err}")
+            continue
+        if item.id in seen:
+            summary.skipped_lines.append(f"line {number}: duplicate id {item.id!r}")
+            continue
+        seen.add(item.id)
+        items.append(item)
+    summary.num_inputs = len(items)
+    return items
+
+
+def completed_ids(path: Path) -> set[str]:
+    """Ids already in the output. A torn last line (a crash mid-write) is cut off the file."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
+    if keep != data:
+        with open(path, "r+b") as handle:
+            handle.truncate(len(keep))
+    done = set()
+    for line in keep.decode().splitlines():
+        if line.strip():
+            done.add(json.loads(line)["custom_id"])
+    return done
+
+
+Generate = Callable[[BatchItem, SamplingConfig, int], tuple[str, dict]]
+
+
+def run_batch(in_path: Path, out_path: Path, generate: Generate, sampling: SamplingConfig,
+              max_new_tokens: int, model_name: str,
+              on_progress: Callable[[int, int], None] | None = None) -> BatchSummary:
+    """`generate(item, sampling, max_tokens) -> (text, report)` where report carries token counts."""
+    summary = BatchSummary()
+    items = read_inputs(in_path, summary)
+    done = completed_ids(out_path)
+    pending = [item for item in items if item.id not in done]
+    summary.num_done_before = len(items) - len(pending)
+    if on_progress:
+        on_progress(0, len(pending))
+    with open(out_path, "a", encoding="utf-8") as out:
+        for index, item in enumerate(pending, start=1):
+            item_sampling = _item_sampling(item, sampling)
+            try:
+                text, report = generate(item, item_sampling, item.max_tokens or max_new_tokens)
+                line = _success_line(item, text, report, model_name)
+                summary.num_completed += 1
+            except ValueError as err:
+                line = _error_line(item, str(err))
+                summary.num_failed += 1
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+            if on_progress:
+                on_progress(index, len(pending))
+    return summary
+
+
+def _item_sampling(item: BatchItem, sampling: SamplingConfig) -> SamplingConfig:
+    changes = {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p)) if v is not None}
+    return replace(sampling, **changes) if changes else sampling
+
+
+def _success_line(item: BatchItem, text: str, report: dict, model_name: str) -> dict:
+    finish = "length" if report.get("stop_reason") in ("length", "context") else "stop"
+    usage = {"prompt_tokens": report["num_prompt_tokens"], "completion_tokens": report["num_new_tokens"],
+             "total_tokens": report["num_prompt_tokens"] + report["num_new_tokens"]}
+    body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model_name, "usage": usage,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.id,
+            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def _error_line(item: BatchItem, message: str) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.id, "response": None,
+            "error": {"code": "invalid_request", "message": message}}

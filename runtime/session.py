@@ -1,0 +1,93 @@
+"""A session: the target model loaded once, a decoder with its KV cache, and run reports."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload import LoadOptions, StreamDecoder, load_model
+from spec import DecodeConfig, Decoder, DecodeResult, SamplingConfig
+
+
+class UserError(Exception):
+    """A problem the user can fix; the CLI prints its message as one line."""
+
+
+@dataclass(slots=True)
+class RuntimeConfig:
+    target: str | None = None       # None: the embedded default model
+    draft: str | None = None
+    no_draft: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context: int = 4096
+    allow_download: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft and self.no_draft:
+            raise ValueError("--draft and --no-draft exclude each other")
+        if self.max_context < 16:
+            raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
+
+
+class Session:
+    def __init__(self, config: RuntimeConfig, on_status=None) -> None:
+        self.config = config
+        if config.draft and not Path(config.draft).expanduser().exists():
+            raise UserError(f"draft model not found: {config.draft}")
+        self.target = load_model(LoadOptions(config.target, config.device, config.dtype, config.allow_download),
+                                 on_status)
+        self.tokenizer = self.target.tokenizer
+        self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
+        decode = DecodeConfig(max_context=config.max_context)
+        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode)
+
+    def encode(self, messages: list[dict[str, str]] | None = None, raw: str | None = None) -> list[int]:
+        if raw is not None:
+            return self.tokenizer.encode(raw)
+        return self.tokenizer.encode_chat(messages or [])
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int,
+                 on_text=None) -> tuple[str, DecodeResult]:
+        stream = StreamDecoder(self.tokenizer)
+
+        def on_tokens(ids: list[int]) -> None:
+            delta = stream.push(ids)
+            if delta and on_text:
+                on_text(delta)
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self.decoder.config = DecodeConfig(max_new_tokens, self.config.max_context)
+        result = self.decoder.generate(prompt_ids, sampling, on_tokens)
+        return self.tokenizer.decode(result.token_ids), result
+
+    def reset(self) -> None:
+        self.decoder.reset()
+
+    def peak_device_bytes(self) -> int:
+        if self.target.model.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        # On the CPU the engine accounts for its own device memory: resident weights and KV cache.
+        return self.target.resident_bytes + self.decoder.cache.num_bytes
+
+    def report(self, text: str, result: DecodeResult) -> dict:
+        stats = result.stats
+        return {
+            "text": text,
+            "model": self.model_name,
+            "num_prompt_tokens": stats.num_prompt_tokens,
+            "num_new_tokens": stats.num_new_tokens,
+            "num_target_passes": stats.num_target_passes,
+            "tokens_per_pass": round(stats.tokens_per_pass, 3),
+            "seconds": round(stats.seconds, 4),
+            "first_token_seconds": round(stats.first_token_seconds or 0.0, 4),
+            "tokens_per_second": round(stats.tokens_per_second, 3),
+            "peak_device_bytes": self.peak_device_bytes(),
+            "bytes_streamed": 0,
+            "stop_reason": stats.stop_reason,
+            "device": str(self.target.model.device),
+            "dtype": str(self.target.model.dtype).removeprefix("torch."),
+            "speculative": False,
+        }

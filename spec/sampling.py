@@ -1,0 +1,72 @@
+"""Sampling: a pure map from logits to a token, configured by SamplingConfig."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class SamplingConfig:
+    temperature: float = 0.0   # 0 means greedy decoding
+    top_p: float = 1.0
+    top_k: int = 0             # 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min-p must lie in [0, 1), got {self.min_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(config: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    if config.is_greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    return generator
+
+
+def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """logits [..., V] -> the distribution actually sampled from, [..., V] float32 (one-hot when greedy)."""
+    logits = logits.float()
+    if config.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / config.temperature
+    if config.top_k:
+        kth = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if config.min_p:
+        probs = probs.masked_fill(probs < config.min_p * probs.amax(-1, keepdim=True), 0.0)
+    if config.top_p < 1:
+        probs = _top_p(probs, config.top_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _top_p(probs: Tensor, top_p: float) -> Tensor:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always).
+    sorted_probs, order = probs.sort(-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def sample(logits: Tensor, config: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+    """logits [..., V] -> token ids [...]."""
+    if config.is_greedy:
+        return logits.argmax(-1)
+    probs = probabilities(logits, config)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
