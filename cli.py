@@ -21,6 +21,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                        help="compute dtype (default: auto = fp32 on CPU, bf16 on CUDA)")
     group.add_argument("--context", type=int, default=4096, help="KV cache size in tokens (default: 4096)")
+    group.add_argument("--gpu-mem", default=None,
+                       help="device memory budget, e.g. 24GiB (default: free device memory minus a margin)")
+    group.add_argument("--ram", default=None,
+                       help="host RAM budget for streamed layers, e.g. 64GiB (default: available minus a margin)")
+    group.add_argument("--disk-cold", action="store_true",
+                       help="drop the weights' page cache before each pass, to measure SSD streaming (default: off)")
     group.add_argument("--download", action="store_true",
                        help="allow downloading a Hub model that is not in the local cache (default: off)")
 
@@ -63,8 +69,11 @@ def _sampling(args):
 
 def _session(args, console):
     from runtime import RuntimeConfig, Session
+    from offload.planner import parse_bytes
+    gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+    ram = parse_bytes(args.ram) if args.ram else None
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
-                           args.download)
+                           args.download, gpu_mem, ram, args.disk_cold)
     return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]"))
 
 

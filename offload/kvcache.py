@@ -51,7 +51,9 @@ class KVCache:
             self.length += self.num_pending
             self.num_pending = 0
             return
-        kept = torch.as_tensor(kept_new_indices, dtype=torch.long)
+        kept = torch.as_tensor(kept_new_indices, dtype=torch.long).cpu()
+        if kept.unique().numel() != kept.numel():
+            raise IndexError(f"commit indices must be distinct, got {kept.tolist()}")
         if kept.numel() and (kept.min() < 0 or kept.max() >= self.num_pending):
             raise IndexError(f"commit indices must lie in [0, {self.num_pending}), got {kept.tolist()}")
         if not torch.equal(kept, torch.arange(kept.numel())):

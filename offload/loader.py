@@ -1,4 +1,5 @@
-"""Loading a model for inference: resolve the source, read config + tokenizer, build the forward."""
+"""Loading a model for inference: resolve the source, read config + tokenizer, plan the tiers,
+and build the forward over a streaming layer provider."""
 from __future__ import annotations
 
 import json
@@ -7,11 +8,16 @@ from pathlib import Path
 
 import torch
 
+from .budgets import default_device_budget, default_host_budget
 from .config import ModelConfig
 from .devices import choose_device, choose_dtype
 from .model import DecoderModel
-from .resident import ResidentLayers, to_device
+from .packing import LayerLayout
+from .planner import Plan, PlanRequest, make_plan
+from .resident import to_device
 from .sources import resolve_model
+from .stream import StreamingLayers
+from .tiers import DiskTier, RamTier
 from .tokenizer import Tokenizer
 from .weights import CheckpointSource
 
@@ -22,12 +28,21 @@ class LoadOptions:
     device: str = "auto"
     dtype: str = "auto"
     allow_download: bool = False
+    gpu_mem: int | None = None      # device budget in bytes; None: free device memory minus a margin
+    ram: int | None = None          # host budget for streamed layers; None: available RAM minus a margin
+    max_context: int = 4096
+    max_pass_tokens: int = 512      # largest pass (prefill chunk or tree) the workspace must hold
+    draft_bytes: int = 0
+    ring_size: int = 2
+    disk_cold: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.ring_size < 1:
+            raise ValueError(f"ring size must be >= 1, got {self.ring_size}")
 
 
 @dataclass(slots=True)
@@ -36,8 +51,15 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     model: DecoderModel
+    layers: StreamingLayers
+    plan: Plan
     stop_ids: set[int] = field(default_factory=set)
-    resident_bytes: int = 0
+    global_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Engine-accounted device memory for weights: globals, resident layers, ring buffers."""
+        return self.global_bytes + self.layers.device_bytes
 
 
 def load_model(options: LoadOptions, on_status=None) -> LoadedModel:
@@ -48,10 +70,36 @@ def load_model(options: LoadOptions, on_status=None) -> LoadedModel:
     source = CheckpointSource(path, config)
     tokenizer = Tokenizer(path)
     globals_ = to_device(source.global_tensors(), device, dtype)
-    layers = ResidentLayers(source, device, dtype)
+    global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
+    layout = LayerLayout.from_tensors(source.layer(0), dtype)
+    plan = make_plan(_plan_request(options, config, layout, global_bytes, device, dtype))
+    layers = _build_layers(source, layout, plan, device, dtype, options)
     model = DecoderModel(config, globals_, layers, device, dtype)
-    resident = layers.num_bytes + sum(t.numel() * t.element_size() for t in globals_.values())
-    return LoadedModel(path, config, tokenizer, model, stop_token_ids(path, config, tokenizer), resident)
+    return LoadedModel(path, config, tokenizer, model, layers, plan, stop_token_ids(path, config, tokenizer),
+                       global_bytes)
+
+
+def _plan_request(options: LoadOptions, config: ModelConfig, layout: LayerLayout, global_bytes: int,
+                  device: torch.device, dtype: torch.dtype) -> PlanRequest:
+    return PlanRequest(
+        config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
+        device_budget=options.gpu_mem or default_device_budget(device),
+        host_budget=options.ram or default_host_budget(),
+        draft_bytes=options.draft_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
+        dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu")
+
+
+def _build_layers(source: CheckpointSource, layout: LayerLayout, plan: Plan, device: torch.device,
+                  dtype: torch.dtype, options: LoadOptions) -> StreamingLayers:
+    tier_of = plan.tier_of
+    resident = {i: to_device(source.layer(i), device, dtype) for i, t in enumerate(tier_of) if t == "device"}
+    ram_layers = [i for i, t in enumerate(tier_of) if t == "ram"]
+    ram = None
+    if ram_layers:
+        ram = RamTier(source, layout, ram_layers, pin=device.type == "cuda",
+                      max_pinned_bytes=int(plan.request.host_budget * 0.8))
+    disk = DiskTier(source, layout) if "disk" in tier_of else None
+    return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold)
 
 
 def stop_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

@@ -22,13 +22,15 @@ from .rope import Rotary
 class LayerProvider(Protocol):
     """Hands out each decoder layer's weights on the compute device, in order, once per pass."""
 
-    def begin_pass(self) -> None: ...
+    def begin_pass(self, num_tokens: int) -> None: ...
 
     def get(self, index: int) -> dict[str, Tensor]: ...
 
     def release(self, index: int) -> None: ...
 
     def end_pass(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -66,11 +68,14 @@ class DecoderModel:
         mask = self._full_mask(mask.to(self.device).expand(batch, -1, -1), positions, cache)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = F.embedding(tokens, self.embed).to(self.dtype)
-        self.layers.begin_pass()
+        self.layers.begin_pass(batch * num_new)
         try:
             for index in range(self.config.num_layers):
                 x = decoder_layer(x, self.layers.get(index), self.config, index, cos, sin, mask[:, None], cache)
                 self.layers.release(index)
+        except BaseException:   # Ctrl-C or a load error mid-pass: the provider resets its ring
+            self.layers.abort()
+            raise
         finally:
             self.layers.end_pass()
         self.num_passes += 1

@@ -21,7 +21,7 @@ class ResidentLayers:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self._layers for t in layer.values())
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, num_tokens: int) -> None:
         pass
 
     def get(self, index: int) -> dict[str, Tensor]:
@@ -31,4 +31,7 @@ class ResidentLayers:
         pass
 
     def end_pass(self) -> None:
+        pass
+
+    def abort(self) -> None:
         pass

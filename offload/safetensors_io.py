@@ -75,6 +75,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             header = json.loads(handle.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
     data_start = 8 + header_len
     metadata = header.pop("__metadata__", None) or {}
     entries = {name: _entry(path, name, raw, data_start, size) for name, raw in header.items()}
@@ -122,7 +124,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor], metadata: di
         out.write(struct.pack("<Q", len(encoded)))
         out.write(encoded)
         for tensor in tensors.values():
-            out.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            out.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)

@@ -12,7 +12,7 @@ from typing import Protocol
 from torch import Tensor
 
 from .config import ModelConfig
-from .safetensors_io import CorruptCheckpointError, SafetensorsFile
+from .safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorEntry
 
 HF_LAYER_NAMES = {
     "input_norm": "input_layernorm.weight",
@@ -98,6 +98,15 @@ class CheckpointSource:
 
     def layer(self, index: int) -> dict[str, Tensor]:
         return {n: self._get(self._layer_key(index, n)) for n in layer_tensor_names(self.config)}
+
+    def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]:
+        """Where each tensor of a layer lies on disk: (file, header entry with absolute offsets)."""
+        out = {}
+        for name in layer_tensor_names(self.config):
+            key = self._layer_key(index, name)
+            opened = self._files[self._where[key]]
+            out[name] = (opened.path, opened.entries[key])
+        return out
 
     def file_paths(self) -> list[Path]:
         return [f.path for f in self._files.values()]

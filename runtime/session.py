@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from offload import LoadOptions, StreamDecoder, load_model
+from offload.planner import PlanError
 from spec import DecodeConfig, Decoder, DecodeResult, SamplingConfig
 
 
@@ -23,6 +24,9 @@ class RuntimeConfig:
     dtype: str = "auto"
     max_context: int = 4096
     allow_download: bool = False
+    gpu_mem: int | None = None      # bytes; None: free device memory minus a margin
+    ram: int | None = None          # bytes; None: available RAM minus a margin
+    disk_cold: bool = False
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
@@ -36,12 +40,18 @@ class Session:
         self.config = config
         if config.draft and not Path(config.draft).expanduser().exists():
             raise UserError(f"draft model not found: {config.draft}")
-        self.target = load_model(LoadOptions(config.target, config.device, config.dtype, config.allow_download),
-                                 on_status)
+        options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
+                              gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
+                              disk_cold=config.disk_cold)
+        try:
+            self.target = load_model(options, on_status)
+        except PlanError as err:
+            raise UserError(str(err)) from None
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
         decode = DecodeConfig(max_context=config.max_context)
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode)
+        self._streamed_before = 0
 
     def encode(self, messages: list[dict[str, str]] | None = None, raw: str | None = None) -> list[int]:
         if raw is not None:
@@ -66,11 +76,20 @@ class Session:
     def reset(self) -> None:
         self.decoder.reset()
 
+    def close(self) -> None:
+        self.target.layers.close()
+
     def peak_device_bytes(self) -> int:
         if self.target.model.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated())
-        # On the CPU the engine accounts for its own device memory: resident weights and KV cache.
-        return self.target.resident_bytes + self.decoder.cache.num_bytes
+        # On the CPU the engine accounts for its own device memory: weights, ring buffers, KV cache.
+        return self.target.device_bytes + self.decoder.cache.num_bytes
+
+    def engine_stats(self) -> dict:
+        plan = self.target.plan
+        return {"layers": {t: plan.tier_of.count(t) for t in ("device", "ram", "disk")},
+                "ring_size": plan.ring_size, "last_pass": self.target.layers.last_pass.as_dict(),
+                "total": self.target.layers.total.as_dict()}
 
     def report(self, text: str, result: DecodeResult) -> dict:
         stats = result.stats
@@ -85,9 +104,10 @@ class Session:
             "first_token_seconds": round(stats.first_token_seconds or 0.0, 4),
             "tokens_per_second": round(stats.tokens_per_second, 3),
             "peak_device_bytes": self.peak_device_bytes(),
-            "bytes_streamed": 0,
+            "bytes_streamed": self.target.layers.total.bytes_streamed - self._streamed_before,
             "stop_reason": stats.stop_reason,
             "device": str(self.target.model.device),
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
             "speculative": False,
+            "engine": self.engine_stats(),
         }

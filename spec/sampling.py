@@ -34,7 +34,10 @@ def make_generator(config: SamplingConfig, device: torch.device) -> torch.Genera
     if config.is_greedy:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    if config.seed is not None:
+        generator.manual_seed(config.seed)
+    else:
+        generator.seed()
     return generator
 
 

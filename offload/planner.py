@@ -1,0 +1,139 @@
+"""The planner: one memory knob per tier decides what stays on the device, what streams from RAM,
+and what streams from disk. Works from config.json alone (no weights needed)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .config import ModelConfig
+
+GIB = 1024 ** 3
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024 ** 2,
+          "g": 1e9, "gb": 1e9, "gib": GIB, "t": 1e12, "tb": 1e12, "tib": 1024 ** 4}
+
+
+class PlanError(ValueError):
+    """The model cannot run within the given budgets; the message names the minimum."""
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24GB', '1.5 TiB', '123456' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r} (use e.g. 24GiB, 512MiB, 64GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(count: int) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB / 10 else f"{count / 1024 ** 2:.1f} MiB"
+
+
+@dataclass(slots=True)
+class PlanRequest:
+    config: ModelConfig
+    layer_bytes: int               # one decoder layer, packed, in its streamed format
+    global_bytes: int              # embeddings, final norm, LM head
+    device_budget: int
+    host_budget: int
+    draft_bytes: int = 0
+    max_context: int = 4096
+    max_tree: int = 1              # most tokens a single pass processes (tree budget or prefill chunk)
+    dtype_bytes: int = 2
+    ring_size: int = 2
+    device_is_cpu: bool = False    # the CPU's math attention materialises the score matrix
+
+    def __post_init__(self) -> None:
+        for name in ("layer_bytes", "device_budget", "host_budget", "max_context", "max_tree", "ring_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"plan {name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class PlanItem:
+    component: str
+    tier: str          # device | ram | disk
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class Plan:
+    request: PlanRequest
+    tier_of: list[str]                  # per decoder layer
+    items: list[PlanItem] = field(default_factory=list)
+
+    def bytes_in(self, tier: str) -> int:
+        return sum(item.num_bytes for item in self.items if item.tier == tier)
+
+    def streamed_bytes(self, tier: str) -> int:
+        return self.tier_of.count(tier) * self.request.layer_bytes
+
+    @property
+    def ring_size(self) -> int:
+        return self.request.ring_size if any(t != "device" for t in self.tier_of) else 0
+
+    def predicted_transfer_seconds(self, bandwidth: dict[str, float]) -> float:
+        """Per pass: RAM layers over the host->device link; disk layers are read then copied (serially)."""
+        ram = self.streamed_bytes("ram") / bandwidth["ram"]
+        disk = self.streamed_bytes("disk") * (1 / bandwidth["disk"] + 1 / bandwidth["ram"])
+        return ram + disk
+
+    def as_dict(self) -> dict:
+        return {"items": [{"component": i.component, "tier": i.tier, "bytes": i.num_bytes} for i in self.items],
+                "layers": {t: self.tier_of.count(t) for t in ("device", "ram", "disk")},
+                "ring_size": self.ring_size, "device_bytes": self.bytes_in("device"),
+                "ram_bytes": self.bytes_in("ram"), "disk_bytes": self.bytes_in("disk")}
+
+
+def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype_bytes: int) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * num_tokens * dtype_bytes
+
+
+def workspace_bytes(request: PlanRequest) -> int:
+    """Activations of the largest pass: layer intermediates, attention scores and the logits."""
+    cfg, tokens = request.config, request.max_tree
+    keys = request.max_context + tokens
+    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
+                 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * request.dtype_bytes
+    scores = tokens * keys * (cfg.num_heads * 4 if request.device_is_cpu else 3)
+    logits = tokens * cfg.vocab_size * (4 + request.dtype_bytes)
+    return tokens * per_token + scores + logits
+
+
+def make_plan(request: PlanRequest) -> Plan:
+    cfg = request.config
+    fixed = [PlanItem("embeddings, final norm, LM head", "device", request.global_bytes),
+             PlanItem(f"KV cache ({request.max_context} context + {request.max_tree} tree tokens)", "device",
+                      kv_cache_bytes(cfg, request.max_context + request.max_tree, request.dtype_bytes)),
+             PlanItem(f"activation workspace ({request.max_tree} tokens per pass)", "device",
+                      workspace_bytes(request))]
+    if request.draft_bytes:
+        fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
+    fixed_bytes = sum(item.num_bytes for item in fixed)
+    all_layers = cfg.num_layers * request.layer_bytes
+    if fixed_bytes + all_layers <= request.device_budget:
+        return Plan(request, ["device"] * cfg.num_layers,
+                    fixed + [PlanItem(f"decoder layers 0-{cfg.num_layers - 1}", "device", all_layers)])
+    ring = request.ring_size * request.layer_bytes
+    if fixed_bytes + ring > request.device_budget:
+        raise PlanError(
+            f"the device budget {format_bytes(request.device_budget)} is too small: at least "
+            f"{format_bytes(fixed_bytes + ring)} is needed ({format_bytes(fixed_bytes)} resident + "
+            f"{request.ring_size} x {format_bytes(request.layer_bytes)} ring buffers); raise --gpu-mem "
+            f"or lower --context / --budget")
+    num_device = min((request.device_budget - fixed_bytes - ring) // request.layer_bytes, cfg.num_layers)
+    num_ram = min(request.host_budget // request.layer_bytes, cfg.num_layers - num_device)
+    tier_of = ["device"] * num_device + ["ram"] * num_ram + ["disk"] * (cfg.num_layers - num_device - num_ram)
+    items = fixed + [PlanItem(f"ring buffers ({request.ring_size} x 1 layer)", "device", ring)]
+    items += _layer_items(tier_of, request.layer_bytes)
+    return Plan(request, tier_of, items)
+
+
+def _layer_items(tier_of: list[str], layer_bytes: int) -> list[PlanItem]:
+    items, start = [], 0
+    for index in range(1, len(tier_of) + 1):
+        if index == len(tier_of) or tier_of[index] != tier_of[start]:
+            label = "streamed " if tier_of[start] != "device" else ""
+            items.append(PlanItem(f"decoder layers {start}-{index - 1} ({label}{tier_of[start]})",
+                                  tier_of[start], (index - start) * layer_bytes))
+            start = index
+    return items

@@ -1,0 +1,222 @@
+"""The prefetch ring: streamed layers flow through `ring_size` device buffers.
+
+A loader thread walks the streamed layers in pass order forever (wrapping into the next pass),
+filling slot k % ring_size with the k-th streamed layer as soon as the compute that used the slot
+last has released it; so the copy of layer i+k overlaps the compute of layer i, and the next pass's
+first layers load while the current pass finishes. The planner decides which layers stream from
+which tier; this engine only executes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .packing import LayerLayout
+from .hostmem import allocate_host
+from .tiers import DiskTier, RamTier
+
+POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
+
+
+class StreamError(RuntimeError):
+    """Loading a layer failed; the message names the layer and the tier."""
+
+
+@dataclass(slots=True)
+class PassStats:
+    num_tokens: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0        # compute thread blocked on a layer not yet loaded
+    transfer_seconds: float = 0.0    # loader time spent moving the bytes consumed in this pass
+    bytes_by_tier: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
+
+    @property
+    def bytes_streamed(self) -> int:
+        return sum(self.bytes_by_tier.values())
+
+    @property
+    def link_gbps(self) -> float:
+        return self.bytes_streamed / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_tokens": self.num_tokens, "seconds": round(self.seconds, 5),
+                "wait_seconds": round(self.wait_seconds, 5),
+                "compute_seconds": round(self.seconds - self.wait_seconds, 5),
+                "bytes_ram": self.bytes_by_tier["ram"], "bytes_disk": self.bytes_by_tier["disk"],
+                "link_gbps": round(self.link_gbps, 3)}
+
+
+@dataclass(slots=True)
+class _Slot:
+    buffer: Tensor                       # [layout bytes] uint8 on the device
+    staging: Tensor | None               # pinned host buffer for disk reads when the device is a GPU
+    layer: int = -1
+    state: str = "free"                  # free -> loading -> ready -> in_use -> free
+    load_seconds: float = 0.0
+    copied: object = None                # CUDA event: copy into `buffer` done
+    released: object = None              # CUDA event: compute reading `buffer` done
+
+
+class StreamingLayers:
+    """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads."""
+
+    def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
+                 ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
+                 disk_cold: bool = False) -> None:
+        if ring_size < 1:
+            raise ValueError(f"ring size must be >= 1, got {ring_size}")
+        self.layout, self.resident, self.tier_of = layout, resident, tier_of
+        self.ram, self.disk, self.device, self.disk_cold = ram, disk, device, disk_cold
+        self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
+        self.is_cuda = device.type == "cuda"
+        self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._error: BaseException | None = None
+        self._next_use = 0                 # index (over all passes) of the next streamed layer to compute
+        self._pass_start = 0.0
+        self.last_pass = PassStats()
+        self.total = PassStats()
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def _new_slot(self) -> _Slot:
+        buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
+        staging = allocate_host(self.layout.num_bytes, pin=True) if self.is_cuda and self.disk else None
+        slot = _Slot(buffer, staging)
+        if self.is_cuda:
+            slot.copied, slot.released = torch.cuda.Event(), torch.cuda.Event()
+        return slot
+
+    @property
+    def device_bytes(self) -> int:
+        ring = len(self.slots) * self.layout.num_bytes if self.streamed else 0
+        resident = sum(t.numel() * t.element_size() for layer in self.resident.values() for t in layer.values())
+        return ring + resident
+
+    # LayerProvider -------------------------------------------------------------------------------
+    def begin_pass(self, num_tokens: int) -> None:
+        self.last_pass = PassStats(num_tokens)
+        self._pass_start = time.perf_counter()
+        if self.streamed and self._thread is None:
+            self._start_loader()
+
+    def get(self, index: int) -> dict[str, Tensor]:
+        if self.tier_of[index] == "device":
+            return self.resident[index]
+        slot = self.slots[self._next_use % len(self.slots)]
+        waited = time.perf_counter()
+        with self._cond:
+            while not (slot.state == "ready" and slot.layer == index):
+                self._raise_if_failed(index)
+                self._cond.wait(POLL_SECONDS)
+            slot.state = "in_use"
+        if self.is_cuda:
+            slot.copied.synchronize()
+        stats = self.last_pass
+        stats.wait_seconds += time.perf_counter() - waited
+        stats.transfer_seconds += slot.load_seconds
+        stats.bytes_by_tier[self.tier_of[index]] += self.layout.num_bytes
+        return self.layout.views(slot.buffer)
+
+    def release(self, index: int) -> None:
+        if self.tier_of[index] == "device":
+            return
+        slot = self.slots[self._next_use % len(self.slots)]
+        if self.is_cuda:
+            slot.released.record(torch.cuda.current_stream(self.device))
+        with self._cond:
+            slot.state = "free"
+            self._next_use += 1
+            self._cond.notify_all()
+
+    def end_pass(self) -> None:
+        self.last_pass.seconds = time.perf_counter() - self._pass_start
+        self.total.num_tokens += self.last_pass.num_tokens
+        self.total.seconds += self.last_pass.seconds
+        self.total.wait_seconds += self.last_pass.wait_seconds
+        self.total.transfer_seconds += self.last_pass.transfer_seconds
+        for tier, count in self.last_pass.bytes_by_tier.items():
+            self.total.bytes_by_tier[tier] += count
+
+    def abort(self) -> None:
+        """After an interrupted pass: stop the loader and forget the ring (the next pass restarts it)."""
+        self.close()
+        self._next_use = 0
+        for slot in self.slots:
+            slot.state, slot.layer = "free", -1
+
+    def close(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread.join()
+        self._thread, self._stop = None, False
+
+    # loader thread -------------------------------------------------------------------------------
+    def _start_loader(self) -> None:
+        self._error = None
+        self._thread = threading.Thread(target=self._loader_main, name="layer-loader", daemon=True)
+        self._thread.start()
+
+    def _loader_main(self) -> None:
+        load_count = self._next_use
+        try:
+            while True:
+                layer = self.streamed[load_count % len(self.streamed)]
+                slot = self.slots[load_count % len(self.slots)]
+                with self._cond:
+                    while slot.state != "free" and not self._stop:
+                        self._cond.wait(POLL_SECONDS)
+                    if self._stop:
+                        return
+                    slot.state, slot.layer = "loading", layer
+                if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
+                    self.disk.drop_page_cache()
+                self._load(layer, slot)
+                with self._cond:
+                    slot.state = "ready"
+                    self._cond.notify_all()
+                load_count += 1
+        except BaseException as err:  # handed to the compute thread, which raises it with context
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _load(self, layer: int, slot: _Slot) -> None:
+        start = time.perf_counter()
+        tier = self.tier_of[layer]
+        if self.is_cuda:
+            self._load_cuda(layer, slot, tier)
+        elif tier == "ram":
+            slot.buffer.copy_(self.ram.buffers[layer])
+        else:
+            self.disk.read_into(layer, slot.buffer)
+        slot.load_seconds = time.perf_counter() - start
+
+    def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
+        if tier == "ram":
+            host = self.ram.buffers[layer]
+        else:
+            slot.copied.synchronize()   # the staging buffer's previous copy must be finished
+            self.disk.read_into(layer, slot.staging)
+            host = slot.staging
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(slot.released)
+            slot.buffer.copy_(host, non_blocking=True)
+            slot.copied.record(self.copy_stream)
+        slot.copied.synchronize()       # load time = real transfer time; the compute thread never waits on this
+
+    def _raise_if_failed(self, index: int) -> None:
+        if self._error is not None:
+            err = self._error
+            raise StreamError(f"loading decoder layer {index} from {self.tier_of[index]} failed: {err}") from err
+        if self._thread is None or not self._thread.is_alive():
+            raise StreamError(f"the layer loader is not running (layer {index} was never loaded)")

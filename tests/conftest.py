@@ -1,0 +1,95 @@
+"""Shared helpers: tiny random Hugging Face checkpoints and our model loaded from them.
+
+Nothing here downloads anything: every checkpoint is built from a transformers config class with
+random weights, saved as safetensors in a temporary folder, and loaded back by our own code.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from offload.config import ModelConfig
+from offload.model import DecoderModel
+from offload.resident import ResidentLayers, to_device
+from offload.weights import CheckpointSource
+
+CPU = torch.device("cpu")
+
+BASE_CONFIG = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+# family -> (transformers config class, family-specific defaults)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": None, "head_dim": 16}),
+    "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False}),      # q/k/v biases
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "use_sliding_window": False}),  # q/k norms
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """transformers initialises norms to 1 and biases to 0, which would make those code paths
+    untestable; give every parameter random values of a scale that keeps logits O(1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / math.sqrt(param.shape[1]))
+
+
+def make_tiny_checkpoint(tmp_path: Path, family: str, seed: int = 0, save_kwargs: dict | None = None,
+                         **overrides) -> tuple[Path, torch.nn.Module]:
+    """A random tiny `family` model saved (safetensors) under tmp_path; returns (folder, hf_model).
+    The returned transformers model is in eval mode, float32, eager attention."""
+    config_cls, family_defaults = FAMILIES[family]
+    config = config_cls(**{**BASE_CONFIG, **family_defaults, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    _randomize(model, seed)
+    folder = Path(tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, **(save_kwargs or {}))
+    return folder, model
+
+
+def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderModel:
+    """Our runtime's model on CPU, wired as offload/loader.py wires it (minus tokenizer)."""
+    config = ModelConfig.from_file(folder)
+    source = CheckpointSource(folder, config)
+    globals_ = to_device(source.global_tensors(), CPU, dtype)
+    layers = ResidentLayers(source, CPU, dtype)
+    return DecoderModel(config, globals_, layers, CPU, dtype)
+
+
+def hf_logits(hf_model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids).logits.float()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Memoised make_tiny_checkpoint: tiny_checkpoint(family, **overrides) -> (folder, hf_model)."""
+    made: dict = {}
+
+    def get(family: str, **overrides):
+        key = (family, repr(sorted(overrides.items())))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, **overrides)
+        return made[key]
+
+    return get

@@ -1,0 +1,84 @@
+"""The command line as a user drives it: subprocesses on the embedded default model."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def cli(*args, timeout=120, **kwargs):
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def test_run_json_reports_text_and_stats():
+    result = cli("run", "What is 2+2?", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["text"] == "The answer to this classic math problem is 4."
+    for key in ("num_prompt_tokens", "num_new_tokens", "num_target_passes", "tokens_per_pass", "seconds",
+                "tokens_per_second", "peak_device_bytes", "bytes_streamed"):
+        assert key in report
+    assert report["num_new_tokens"] == report["num_target_passes"] and report["tokens_per_pass"] == 1.0
+    assert report["peak_device_bytes"] > 100e6
+
+
+def test_run_streams_text_and_raw_mode_skips_template():
+    streamed = cli("run", "What is 2+2?", "--max-new-tokens", "8")
+    assert streamed.returncode == 0 and streamed.stdout.startswith("The answer to this")
+    raw = cli("run", "The capital of France is", "--raw", "--max-new-tokens", "4", "--json")
+    assert json.loads(raw.stdout)["num_prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "hi", "--target", "/no/such/model"], "model not found"),
+    (["run", "hi", "--temperature", "-1"], "temperature"),
+    (["run", "hi", "--top-p", "0"], "top-p"),
+    (["batch", "/no/such/file.jsonl", "-o", "/tmp/x.jsonl"], "batch input not found"),
+])
+def test_user_errors_are_one_line_without_traceback(args, fragment):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    result = cli("run", "hi", "--target", str(tmp_path))
+    assert result.returncode == 2 and "GPT2LMHeadModel" in result.stderr and "LlamaForCausalLM" in result.stderr
+
+
+def test_help_lists_flags_with_defaults():
+    result = cli("run", "--help")
+    for flag in ("--target", "--draft", "--no-draft", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
+                 "--seed", "--device", "--dtype"):
+        assert flag in result.stdout
+    assert "default" in result.stdout
+
+
+def test_batch_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"Count from {i} to {i + 20}."}) for i in range(6)]
+    lines.insert(3, "{this line is broken")
+    source.write_text("\n".join(lines) + "\n")
+    args = [sys.executable, str(ROOT / "cli.py"), "batch", str(source), "-o", str(out), "--max-new-tokens", "48"]
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    num_before = out.read_text().count("\n")
+    assert 2 <= num_before < 6, "the kill should land mid-run"
+    resumed = cli("batch", str(source), "-o", str(out), "--max-new-tokens", "48")
+    assert resumed.returncode == 3 and "line 4" in resumed.stderr
+    ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == [f"q{i}" for i in range(6)] and len(ids) == 6
