@@ -59,7 +59,40 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (run, chat, batch):
         _add_model_flags(sub)
         _add_sampling_flags(sub)
+    _add_plan_parser(commands)
+    _add_bench_parsers(commands.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(
+        dest="bench", required=True))
     return parser
+
+
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="show where each part of a model would live (config.json is enough)")
+    plan.add_argument("--target", default=None, help="model folder, config.json folder, .gguf or Hub id "
+                                                     "(default: embedded model)")
+    plan.add_argument("--draft", default=None, help="draft model folder (kept on the device) (default: none)")
+    plan.add_argument("--gpu-mem", default=None, help="device budget, e.g. 24GiB (default: free memory - margin)")
+    plan.add_argument("--ram", default=None, help="host budget, e.g. 64GiB (default: available RAM - margin)")
+    plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
+    plan.add_argument("--context", type=int, default=4096, help="context length, tokens (default: 4096)")
+    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default: bf16)")
+    plan.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    plan.add_argument("--ring", type=int, default=2, help="layer buffers in the prefetch ring (default: 2)")
+    plan.add_argument("--link-gbps", type=float, default=None,
+                      help="host->device GB/s for the prediction (default: measured now)")
+    plan.add_argument("--disk-gbps", type=float, default=None, help="disk GB/s for the prediction (default: measured now)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _add_bench_parsers(benches) -> None:
+    stream = benches.add_parser("stream", help="pass time vs raw tier bandwidth for several pass sizes")
+    stream.add_argument("--target", default=None, help="model (default: embedded model)")
+    stream.add_argument("--gpu-mem", required=True, help="device budget that forces streaming, e.g. 450MiB")
+    stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
+    stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
+    stream.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    stream.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="(default: auto)")
+    stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
+    stream.add_argument("--json", action="store_true", help="print only JSON")
 
 
 def _sampling(args):
@@ -182,7 +215,50 @@ def cmd_batch(args, console) -> int:
     return 0 if summary.is_clean else EXIT_SKIPPED
 
 
-COMMANDS = {"run": cmd_run, "chat": cmd_chat, "batch": cmd_batch}
+def cmd_plan(args, console) -> int:
+    from offload.plan_report import build_plan, measured_bandwidth
+    plan, bandwidth = build_plan(args), measured_bandwidth(args)
+    seconds = plan.predicted_transfer_seconds(bandwidth)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "bandwidth_gbps": {k: v / 1e9 for k, v in bandwidth.items()},
+                          "predicted_transfer_seconds_per_pass": round(seconds, 4)}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from offload.planner import format_bytes
+    console = Console()   # the plan is the command's output: stdout
+    table = Table(title=f"plan: {plan.request.config.family}, {plan.request.config.num_layers} layers, "
+                        f"{format_bytes(plan.request.layer_bytes)} per layer")
+    for column in ("component", "tier", "bytes"):
+        table.add_column(column)
+    for item in plan.items:
+        table.add_row(item.component, item.tier, format_bytes(item.num_bytes))
+    console.print(table, soft_wrap=True)
+    console.print(f"device {format_bytes(plan.bytes_in('device'))} of {format_bytes(plan.request.device_budget)}; "
+                  f"predicted transfer per pass {seconds:.3f} s (link {bandwidth['ram'] / 1e9:.1f} GB/s, "
+                  f"disk {bandwidth['disk'] / 1e9:.1f} GB/s)")
+    return 0
+
+
+def cmd_bench(args, console) -> int:
+    from offload.planner import parse_bytes
+    if args.bench == "stream":
+        from bench.stream import run_stream_bench
+        sizes = [int(x) for x in args.tokens.split(",") if x.strip()]
+        if not sizes or min(sizes) <= 0:
+            raise ValueError(f"--tokens needs positive pass sizes, got {args.tokens!r}")
+        result = run_stream_bench(args.target, parse_bytes(args.gpu_mem), args.tier, sizes, args.device,
+                                  args.dtype, args.repeats, on_status=lambda m: console.print(f"[dim]{m}[/dim]"))
+    if not args.json:
+        for row in result.get("passes", []):
+            console.print(f"{row['tokens']:>5} tokens: {row['pass_seconds']:.4f} s/pass, "
+                          f"efficiency {row['efficiency']:.2f}")
+    print(json.dumps(result))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "chat": cmd_chat, "batch": cmd_batch, "plan": cmd_plan, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

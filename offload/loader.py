@@ -65,18 +65,32 @@ class LoadedModel:
 def load_model(options: LoadOptions, on_status=None) -> LoadedModel:
     path = resolve_model(options.model, options.allow_download, on_status)
     config = ModelConfig.from_file(path)
-    device = choose_device(options.device)
-    dtype = choose_dtype(options.dtype, device)
     source = CheckpointSource(path, config)
     tokenizer = Tokenizer(path)
+    engine = build_engine(source, options)
+    return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
+                       stop_token_ids(path, config, tokenizer), engine.global_bytes)
+
+
+@dataclass(slots=True)
+class Engine:
+    model: DecoderModel
+    layers: StreamingLayers
+    plan: Plan
+    global_bytes: int
+
+
+def build_engine(source: CheckpointSource, options: LoadOptions) -> Engine:
+    """Device and dtype chosen once here; the planner places the layers; the ring streams them."""
+    config = source.config
+    device = choose_device(options.device)
+    dtype = choose_dtype(options.dtype, device)
     globals_ = to_device(source.global_tensors(), device, dtype)
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
     layout = LayerLayout.from_tensors(source.layer(0), dtype)
     plan = make_plan(_plan_request(options, config, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
-    model = DecoderModel(config, globals_, layers, device, dtype)
-    return LoadedModel(path, config, tokenizer, model, layers, plan, stop_token_ids(path, config, tokenizer),
-                       global_bytes)
+    return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes)
 
 
 def _plan_request(options: LoadOptions, config: ModelConfig, layout: LayerLayout, global_bytes: int,

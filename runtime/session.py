@@ -88,7 +88,7 @@ class Session:
     def engine_stats(self) -> dict:
         plan = self.target.plan
         return {"layers": {t: plan.tier_of.count(t) for t in ("device", "ram", "disk")},
-                "ring_size": plan.ring_size, "last_pass": self.target.layers.last_pass.as_dict(),
+                "ring_size": plan.ring_size, "layer_bytes": plan.request.layer_bytes, "last_pass": self.target.layers.last_pass.as_dict(),
                 "total": self.target.layers.total.as_dict()}
 
     def report(self, text: str, result: DecodeResult) -> dict:

@@ -1,0 +1,143 @@
+"""The streaming engine on tiny random models: tiers give identical results, budgets hold,
+stats count the bytes, and faults (read errors, Ctrl-C) end cleanly."""
+import threading
+import time
+
+import pytest
+import torch
+
+import offload.layers
+import offload.model
+from offload.loader import LoadOptions, build_engine
+from offload.planner import PlanError
+from offload.stream import StreamError
+from offload.weights import CheckpointSource
+
+
+def _engine(folder, tier: str, ring_size: int = 2, num_resident: int = 1, **kwargs):
+    """Budgets chosen from a first all-resident plan so that `tier` is forced."""
+    probe = build_engine(CheckpointSource(folder), LoadOptions(device="cpu", dtype="fp32", max_context=64,
+                                                              max_pass_tokens=16))
+    fixed = sum(i.num_bytes for i in probe.plan.items if "layers" not in i.component)
+    layer_bytes = probe.plan.request.layer_bytes
+    probe.layers.close()
+    if tier == "device":
+        gpu_mem, ram = fixed + 100 * layer_bytes, None
+    else:
+        gpu_mem = fixed + (ring_size + num_resident) * layer_bytes
+        ram = 1 if tier == "disk" else 100 * layer_bytes
+    options = LoadOptions(device="cpu", dtype="fp32", max_context=64, max_pass_tokens=16, gpu_mem=gpu_mem,
+                          ram=ram, ring_size=ring_size, **kwargs)
+    return build_engine(CheckpointSource(folder), options), gpu_mem
+
+
+def _greedy(model, prompt, steps=12):
+    cache = model.new_cache(64)
+    out = model.forward(torch.tensor([prompt]), cache, last_only=True)
+    cache.commit()
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model.forward(torch.tensor([[tokens[-1]]]), cache)
+        cache.commit()
+    return tokens, out.logits
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from conftest import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("stream"), "llama", num_hidden_layers=6)[0]
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3])
+def test_ram_and_disk_streaming_match_resident_exactly(folder, ring_size):
+    prompt = [5, 17, 99, 3, 42]
+    resident, _ = _engine(folder, "device")
+    expected_tokens, expected_logits = _greedy(resident.model, prompt)
+    assert resident.plan.tier_of == ["device"] * 6
+    for tier in ("ram", "disk"):
+        engine, budget = _engine(folder, tier, ring_size)
+        assert engine.plan.tier_of == ["device"] + [tier] * 5
+        tokens, logits = _greedy(engine.model, prompt)
+        engine.layers.close()
+        assert tokens == expected_tokens
+        assert torch.equal(logits, expected_logits)
+        assert engine.global_bytes + engine.layers.device_bytes <= budget
+
+
+def test_pass_stats_count_streamed_bytes(folder):
+    engine, _ = _engine(folder, "ram")
+    cache = engine.model.new_cache(64)
+    engine.model.forward(torch.tensor([[1, 2, 3]]), cache)
+    stats = engine.layers.last_pass
+    engine.layers.close()
+    assert stats.num_tokens == 3
+    assert stats.bytes_by_tier == {"ram": 5 * engine.layers.layout.num_bytes, "disk": 0}
+    assert 0 <= stats.wait_seconds <= stats.seconds
+
+
+def test_ring_wraps_into_the_next_pass(folder):
+    engine, _ = _engine(folder, "ram", ring_size=2)
+    cache = engine.model.new_cache(64)
+    engine.model.forward(torch.tensor([[1, 2, 3]]), cache)
+    deadline = time.time() + 5
+    while time.time() < deadline and [s.state for s in engine.layers.slots] != ["ready", "ready"]:
+        time.sleep(0.01)
+    # streamed layers 1..5; loads 5 and 6 (the next pass's layers 1 and 2) go to slots 1 and 0
+    assert [s.layer for s in engine.layers.slots] == [2, 1]
+    assert [s.state for s in engine.layers.slots] == ["ready", "ready"]
+    engine.layers.close()
+
+
+def _loader_threads():
+    return [t for t in threading.enumerate() if t.name == "layer-loader"]
+
+
+def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch):
+    import errno
+
+    import offload.tiers
+    engine, _ = _engine(folder, "disk", ring_size=1)
+    real_preadv, calls = offload.tiers.os.preadv, {"n": 0}
+
+    def failing_preadv(*args):   # the disk goes bad a few reads into the pass
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(*args)
+
+    monkeypatch.setattr(offload.tiers.os, "preadv", failing_preadv)
+    start = time.time()
+    with pytest.raises(StreamError, match=r"decoder layer \d+ from disk"):
+        engine.model.forward(torch.tensor([[1, 2]]), engine.model.new_cache(64))
+    assert time.time() - start < 10
+    assert not _loader_threads()
+
+
+def test_ctrl_c_mid_pass_stops_the_loader_and_the_next_pass_still_works(folder, monkeypatch):
+    engine, _ = _engine(folder, "ram")
+    prompt = torch.tensor([[4, 8, 15]])
+    expected = engine.model.forward(prompt, engine.model.new_cache(64)).logits
+    real_layer, calls = offload.model.decoder_layer, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_layer(*args, **kwargs)
+
+    monkeypatch.setattr(offload.model, "decoder_layer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.model.forward(prompt, engine.model.new_cache(64))
+    assert not _loader_threads()
+    monkeypatch.setattr(offload.model, "decoder_layer", real_layer)
+    again = engine.model.forward(prompt, engine.model.new_cache(64)).logits
+    engine.layers.close()
+    assert torch.equal(again, expected)
+    assert offload.layers.decoder_layer is real_layer
+
+
+def test_budget_below_ring_minimum_is_refused(folder):
+    with pytest.raises(PlanError, match="too small"):
+        build_engine(CheckpointSource(folder), LoadOptions(device="cpu", max_context=64, max_pass_tokens=16,
+                                                           gpu_mem=1000))
