@@ -16,12 +16,15 @@ from .sampling import SamplingConfig, make_generator, sample
 class DecodeConfig:
     max_new_tokens: int = 256
     max_context: int = 4096
+    max_pass_tokens: int = 512      # prefill runs in chunks of this size (the engine's workspace)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max-new-tokens must be positive, got {self.max_new_tokens}")
         if self.max_context <= 1:
             raise ValueError(f"context size must be > 1, got {self.max_context}")
+        if self.max_pass_tokens <= 0:
+            raise ValueError(f"max_pass_tokens must be positive, got {self.max_pass_tokens}")
 
 
 @dataclass(slots=True)
@@ -87,7 +90,10 @@ class Decoder:
         self.cache.truncate(common)
         self.cached_ids = self.cached_ids[:common]
         stats.num_reused_tokens = common
-        return self._step(prompt_ids[common:], stats, last_only=True)
+        rest, chunk = prompt_ids[common:], self.config.max_pass_tokens
+        for start in range(0, len(rest), chunk):
+            logits = self._step(rest[start:start + chunk], stats, last_only=True)
+        return logits
 
     def _step(self, new_ids: list[int], stats: DecodeStats, last_only: bool = False) -> torch.Tensor:
         tokens = torch.tensor([new_ids], dtype=torch.long)

@@ -199,3 +199,15 @@ def test_commit_tree_path_then_decode_matches_sequential(tiny_checkpoint, family
     n = sequence.shape[1]
     torch.testing.assert_close(cache.keys[:, :, :, :n], sequential_cache.keys[:, :, :, :n], atol=1e-5, rtol=0)
     torch.testing.assert_close(cache.values[:, :, :, :n], sequential_cache.values[:, :, :, :n], atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_matches_single_pass_prefill(tiny_checkpoint):
+    from conftest import load_ours
+    from spec import DecodeConfig, Decoder, SamplingConfig
+    folder, _ = tiny_checkpoint("llama")
+    model = load_ours(folder)
+    prompt = list(range(3, 40))
+    whole = Decoder(model, set(), DecodeConfig(8, 128, max_pass_tokens=512)).generate(prompt, SamplingConfig())
+    chunked = Decoder(model, set(), DecodeConfig(8, 128, max_pass_tokens=5)).generate(prompt, SamplingConfig())
+    assert chunked.token_ids == whole.token_ids
+    assert chunked.stats.num_target_passes == whole.stats.num_target_passes + 7   # ceil(37 / 5) - 1 extra passes
