@@ -56,8 +56,9 @@ class _Slot:
     staging: Tensor | None               # pinned host buffer for disk reads when the device is a GPU
     layer: int = -1
     state: str = "free"                  # free -> loading -> ready -> in_use -> free
-    load_seconds: float = 0.0
-    copied: object = None                # CUDA event: copy into `buffer` done
+    load_seconds: float = 0.0            # host-side load time (disk read, CPU copy)
+    copy_started: object = None          # CUDA event (timed): host->device copy queued
+    copied: object = None                # CUDA event (timed): copy into `buffer` done
     released: object = None              # CUDA event: compute reading `buffer` done
 
 
@@ -89,7 +90,9 @@ class StreamingLayers:
         staging = allocate_host(self.layout.num_bytes, pin=True) if self.is_cuda and self.disk else None
         slot = _Slot(buffer, staging)
         if self.is_cuda:
-            slot.copied, slot.released = torch.cuda.Event(), torch.cuda.Event()
+            slot.copy_started = torch.cuda.Event(enable_timing=True)
+            slot.copied = torch.cuda.Event(enable_timing=True)
+            slot.released = torch.cuda.Event()
         return slot
 
     @property
@@ -115,11 +118,13 @@ class StreamingLayers:
                 self._raise_if_failed(index)
                 self._cond.wait(POLL_SECONDS)
             slot.state = "in_use"
+        transfer = slot.load_seconds
         if self.is_cuda:
-            slot.copied.synchronize()
+            slot.copied.synchronize()   # host waits here (counted as waiting) while the copy is in flight
+            transfer += slot.copy_started.elapsed_time(slot.copied) / 1000
         stats = self.last_pass
         stats.wait_seconds += time.perf_counter() - waited
-        stats.transfer_seconds += slot.load_seconds
+        stats.transfer_seconds += transfer
         stats.bytes_by_tier[self.tier_of[index]] += self.layout.num_bytes
         return self.layout.views(slot.buffer)
 
@@ -202,6 +207,8 @@ class StreamingLayers:
         slot.load_seconds = time.perf_counter() - start
 
     def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
+        # Copies are queued asynchronously on the copy stream, so the next disk read (or the next
+        # queued copy) overlaps this one; the slot's `copied` event tells compute when it landed.
         if tier == "ram":
             host = self.ram.buffers[layer]
         else:
@@ -210,9 +217,9 @@ class StreamingLayers:
             host = slot.staging
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot.released)
+            slot.copy_started.record(self.copy_stream)
             slot.buffer.copy_(host, non_blocking=True)
             slot.copied.record(self.copy_stream)
-        slot.copied.synchronize()       # load time = real transfer time; the compute thread never waits on this
 
     def _raise_if_failed(self, index: int) -> None:
         if self._error is not None:

@@ -82,3 +82,13 @@ def test_batch_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
     assert resumed.returncode == 3 and "line 4" in resumed.stderr
     ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == [f"q{i}" for i in range(6)] and len(ids) == 6
+
+
+def test_corrupt_weights_are_rejected_before_generation(tmp_path):
+    from conftest import make_tiny_checkpoint
+    folder, _ = make_tiny_checkpoint(tmp_path / "model", "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])        # truncated: the last tensor's bytes are gone
+    result = cli("run", "hi", "--target", str(folder))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(weights) in result.stderr.replace("\n", "") and "truncated" in result.stderr
