@@ -7,6 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+# The layer loader thread shares the cores with compute: idle OpenMP workers must sleep, not spin
+# (spinning slowed streamed passes 10x on a busy 2-core machine). Set before torch starts its pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_MAX_NEW_TOKENS = 256
 EXIT_USER_ERROR, EXIT_SKIPPED = 2, 3
 

@@ -1,0 +1,508 @@
+"""Peers side by side in one run: per-token latency of our streamed decoding vs transformers +
+accelerate offload and AirLLM, at the same device budget, same model, same prompt, same greedy tokens.
+
+    .venv/bin/python bench/peers.py --max-new-tokens 32 --gpu-mem 450MiB [--json]
+
+Every engine runs in its own child process (one after the other, never two at once), so no engine
+sees another's memory maps, page cache state or threads; the children are this same script with
+`--child ENGINE`, and AirLLM is bench/airllm_runner.py inside .venv-peers (scripts/setup_peers.sh).
+Each child loads its engine, warms up, then times one greedy decode; the parent repeats the whole
+sequence `--rounds` times and reports the median. seconds_per_token is the decode-step latency:
+(time of the last token - time of the first token) / (tokens - 1), i.e. prefill excluded; the first
+token's latency is reported separately. Ratios are peer / ours per-token latency (>1: we are faster).
+The one JSON object is saved to --out (default bench/results/peers.json) and printed with --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
+CACHE = ROOT / ".cache/peers"
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+OURS = ("ours_ram", "ours_disk_warm", "ours_disk_cold", "ours_resident")
+HF = ("accelerate_disk_warm", "accelerate_disk_cold", "accelerate_cpu", "transformers_resident")
+ENGINES = OURS + HF + ("airllm",)
+
+WHAT = {
+    "ours_ram": "specstream, planned at --gpu-mem with the default host budget: the device-tier layers stay "
+                "resident, every other decoder layer streams from a packed host-RAM buffer through the "
+                "2-slot prefetch ring (on this CPU-only machine the 'device' is the CPU, so a stream is a memcpy)",
+    "ours_disk_warm": "specstream, same device budget, ram=1 byte: every streamed layer is read (pread) from "
+                      "model.safetensors for each token; the file is in the OS page cache",
+    "ours_disk_cold": "specstream as ours_disk_warm with disk_cold=True: the engine evicts the checkpoint from the "
+                      "page cache (posix_fadvise DONTNEED) before each pass, so streamed layers come from the disk",
+    "ours_resident": "reference, not at the budget: specstream with a device budget (8 GiB) that keeps every layer "
+                     "resident (no streaming): our forward's own speed, to compare with transformers_resident",
+    "accelerate_disk_warm": "transformers from_pretrained(device_map=..., offload_folder=...): globals and the same "
+                            "resident layers as ours on 'cpu' (the main device on a CPU-only machine), every other "
+                            "decoder layer on 'disk'; accelerate AlignDevicesHooks load each weight from disk before "
+                            "its module runs and drop it after; page cache warm",
+    "accelerate_disk_cold": "as accelerate_disk_warm, with a forward pre-hook that evicts the weight files from the "
+                            "page cache (posix_fadvise DONTNEED) before every forward pass, like ours_disk_cold",
+    "accelerate_cpu": "transformers model loaded in RAM, then accelerate.cpu_offload(layer, execution_device=cpu) on "
+                      "each layer we stream: accelerate's cpu-offload hooks swap each weight in from the offloaded "
+                      "CPU state dict before the module runs and back to meta after. With the execution device "
+                      "being the CPU no bytes move (a device_map with layers on 'cpu' would attach no offload at "
+                      "all when the main device is the CPU), so this measures accelerate's cpu-offload machinery "
+                      "only, not a host-to-device transfer",
+    "transformers_resident": "reference, not at the budget: the plain transformers model with every weight in RAM "
+                             "(no offload, no hooks)",
+    "airllm": "AirLLM (own venv, .venv-peers) on device='cpu', fp32: its AirLLMBaseModel splits the checkpoint into "
+              "one safetensors file per layer once, then for every forward loads each decoder layer (and the final "
+              "norm) from its file, runs it, moves it back to meta and calls gc.collect(); the tied embedding stays "
+              "resident. It has no device budget knob: it always streams every layer (0 resident vs our 3)",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# timing helpers (children)
+# ------------------------------------------------------------------------------------------------
+class TokenClock:
+    """Timestamps each new token. As a transformers streamer: put() gets the prompt first, then tokens."""
+
+    def __init__(self, skip_first_put: bool) -> None:
+        self.times: list[float] = []
+        self._skip = skip_first_put
+
+    def put(self, value) -> None:
+        if self._skip:
+            self._skip = False
+            return
+        self.times.append(time.perf_counter())
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        self.times.extend([now] * len(tokens))
+
+    def end(self) -> None:
+        pass
+
+    def summary(self, start: float, end: float, token_ids: list[int]) -> dict:
+        steps = len(self.times) - 1
+        per_token = (self.times[-1] - self.times[0]) / steps if steps > 0 else None
+        return {"token_ids": token_ids, "tokens": len(token_ids), "seconds": round(end - start, 4),
+                "first_token_seconds": round(self.times[0] - start, 4) if self.times else None,
+                "seconds_per_token": round(per_token, 5) if per_token is not None else None}
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes); page-cache hits are free."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def evict(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def prewarm(paths: list[Path]) -> None:
+    """Reads the files once so they sit in the page cache (a previous cold engine may have evicted them)."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------
+# children
+# ------------------------------------------------------------------------------------------------
+def child_ours(engine: str, cfg: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from offload import LoadOptions, load_model
+    from spec import DecodeConfig, Decoder, SamplingConfig
+
+    disk = engine in ("ours_disk_warm", "ours_disk_cold")
+    gpu_mem = 8 * 2**30 if engine == "ours_resident" else cfg["gpu_mem"]
+    start = time.perf_counter()
+    loaded = load_model(LoadOptions(cfg["model_path"], device="cpu", dtype="fp32", gpu_mem=gpu_mem,
+                                    ram=1 if disk else None, max_context=cfg["max_context"],
+                                    disk_cold=engine == "ours_disk_cold"))
+    load_seconds = time.perf_counter() - start
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": cfg["prompt"]}])
+    warmup = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(cfg["warmup_tokens"], cfg["max_context"]))
+    warmup.generate(ids, SamplingConfig(), None)           # warm-up (allocators, the loader thread, caches)
+    del warmup
+    decoder = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(cfg["max_new_tokens"], cfg["max_context"]))
+    if engine == "ours_disk_warm":
+        prewarm(weight_files(loaded.path))
+    before, io_before = _snapshot(loaded.layers.total), disk_read_bytes()
+    clock = TokenClock(skip_first_put=False)
+    start = time.perf_counter()
+    result = decoder.generate(ids, SamplingConfig(), clock.on_tokens)
+    out = clock.summary(start, time.perf_counter(), result.token_ids)
+    after, io_after = _snapshot(loaded.layers.total), disk_read_bytes()
+    tiers = {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")}
+    out.update(prompt_ids=ids, model_path=str(loaded.path), load_seconds=round(load_seconds, 3), tiers=tiers,
+               tier_of=loaded.plan.tier_of, engine_device_bytes=loaded.device_bytes,
+               disk_read_bytes=_delta(io_before, io_after),
+               stream={k: round(after[k] - before[k], 5) if isinstance(after[k], float) else after[k] - before[k]
+                       for k in after})
+    loaded.layers.close()
+    return out
+
+
+def _snapshot(total) -> dict:
+    return {"pass_seconds": total.seconds, "wait_seconds": total.wait_seconds,
+            "transfer_seconds": total.transfer_seconds, "bytes_ram": total.bytes_by_tier["ram"],
+            "bytes_disk": total.bytes_by_tier["disk"], "passes_tokens": total.num_tokens}
+
+
+def _delta(a: int | None, b: int | None) -> int | None:
+    return b - a if a is not None and b is not None else None
+
+
+def child_hf(engine: str, cfg: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, resident = Path(cfg["model_path"]), cfg["resident_layers"]
+    num_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    offload_dir = CACHE / "accelerate-offload"
+    start = time.perf_counter()
+    notes = {}
+    if engine.startswith("accelerate_disk"):
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        device_map.update({f"model.layers.{i}": "cpu" if i < resident else "disk" for i in range(num_layers)})
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=str(offload_dir),
+                                                     dtype=torch.float32)
+        notes["device_map_values"] = {v: list(device_map.values()).count(v) for v in set(device_map.values())}
+        notes["offload_store"] = _offload_store(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if engine == "accelerate_cpu":
+            from accelerate import cpu_offload
+            for i in range(resident, num_layers):
+                cpu_offload(model.model.layers[i], execution_device=torch.device("cpu"))
+            notes["cpu_offloaded_layers"] = num_layers - resident
+    model.eval()
+    load_seconds = time.perf_counter() - start
+    files = weight_files(folder) + sorted(p for p in offload_dir.glob("*") if p.is_file())
+    if engine == "accelerate_disk_cold":
+        model.register_forward_pre_hook(lambda module, args: evict(files))
+    ids = torch.tensor([cfg["prompt_ids"]])
+
+    def generate(n: int, streamer=None):
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=n, do_sample=False, streamer=streamer)
+
+    generate(cfg["warmup_tokens"])                            # warm-up
+    if engine == "accelerate_disk_warm":
+        prewarm(files)
+    io_before = disk_read_bytes()
+    clock = TokenClock(skip_first_put=True)
+    start = time.perf_counter()
+    output = generate(cfg["max_new_tokens"], clock)
+    out = clock.summary(start, time.perf_counter(), output[0, ids.shape[1]:].tolist())
+    out.update(load_seconds=round(load_seconds, 3), disk_read_bytes=_delta(io_before, disk_read_bytes()), **notes)
+    return out
+
+
+def _offload_store(model) -> str:
+    """Where accelerate's disk-offloaded weights actually live (transformers 5 may point at the checkpoint)."""
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        weights = getattr(hook, "weights_map", None)
+        dataset = getattr(weights, "dataset", None)
+        index = getattr(dataset, "index", None)
+        if index:
+            entry = next(iter(index.values()))
+            return entry.get("safetensors_file") or f"{getattr(dataset, 'save_folder', '?')} (.dat memmaps)"
+    return "unknown"
+
+
+def run_child(engine: str, cfg: dict) -> None:
+    import torch
+    torch.set_num_threads(cfg["threads"])
+    try:
+        out = child_ours(engine, cfg) if engine in OURS else child_hf(engine, cfg)
+        out["threads"] = torch.get_num_threads()
+    except BaseException as err:  # the parent reports it; never a made-up figure
+        import traceback
+        out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+    print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# parent
+# ------------------------------------------------------------------------------------------------
+def spawn(cmd: list[str], timeout: int, env: dict) -> dict:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}, no JSON", "stderr_tail": proc.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def child_env(cfg: dict) -> dict:
+    env = dict(os.environ)
+    if cfg["omp_wait_policy"] != "default":
+        env["OMP_WAIT_POLICY"] = cfg["omp_wait_policy"]
+    return env
+
+
+def run_engine(engine: str, cfg: dict, timeout: int) -> dict:
+    if engine == "airllm":
+        if not PEERS_PYTHON.exists():
+            return {"skipped": f"{PEERS_PYTHON.relative_to(ROOT)} is missing: run scripts/setup_peers.sh"}
+        cmd = [str(PEERS_PYTHON), str(ROOT / "bench/airllm_runner.py"), "--model", cfg["model_path"],
+               "--ids", json.dumps(cfg["prompt_ids"]), "--max-new-tokens", str(cfg["airllm_tokens"]),
+               "--threads", str(cfg["threads"]), "--shards", str(CACHE / "airllm"),
+               "--max-seq-len", str(cfg["max_context"]), "--warmup-tokens", str(min(cfg["warmup_tokens"], 2))]
+        return spawn(cmd, timeout, child_env(cfg))
+    return spawn([sys.executable, str(Path(__file__).resolve()), "--child", engine, "--cfg", json.dumps(cfg)], timeout,
+                 child_env(cfg))
+
+
+def model_folder(private_copy: bool) -> Path:
+    """The default model's HF folder (offload.sources.resolve_model(None)), or this benchmark's own copy of it.
+
+    The copy matters for the cold runs: the kernel will not evict page-cache pages that any process has
+    mapped, and on a shared machine other jobs keep the default model's model.safetensors mapped, so
+    posix_fadvise(DONTNEED) on it is a no-op. Nobody else maps the copy. Same bytes for every engine."""
+    sys.path.insert(0, str(ROOT))
+    from offload.sources import resolve_model
+    source = Path(resolve_model(None))
+    if not private_copy:
+        return source
+    target = CACHE / "model" / source.name
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        dest = target / path.name
+        if path.is_file() and (not dest.exists() or dest.stat().st_size != path.stat().st_size):
+            progress(f"copying {path.name} to {target}")
+            tmp = dest.with_suffix(dest.suffix + ".tmp")
+            with open(path, "rb") as src, open(tmp, "wb") as out:
+                while chunk := src.read(1 << 24):
+                    out.write(chunk)
+            tmp.replace(dest)
+    return target
+
+
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    text = text.strip().upper()
+    number = text.rstrip("KMGIB")
+    return int(float(number) * units[text[len(number):]])
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--gpu-mem", default="450MiB", help="device budget (our planner and the peers' split)")
+    parser.add_argument("--max-context", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every engine")
+    parser.add_argument("--rounds", type=int, default=3, help="repeat the in-venv engines; the median is reported")
+    parser.add_argument("--airllm-tokens", type=int, default=8,
+                        help="AirLLM is slow on CPU: it decodes this many tokens (compared as a prefix of ours)")
+    parser.add_argument("--warmup-tokens", type=int, default=4, help="untimed decode before the timed one")
+    parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("default", "PASSIVE", "ACTIVE"),
+                        help="OMP_WAIT_POLICY for every engine's process ('default': leave the environment as is). "
+                             "PASSIVE because on a shared, oversubscribed machine spinning OpenMP barriers "
+                             "slow some engines 10-25x depending on the neighbours, not on offloading")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--no-private-copy", action="store_true",
+                        help="run on the default model folder itself, not a copy under .cache/peers/model "
+                             "(cold runs are then not cold while other processes map the file)")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per child process")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
+    parser.add_argument("--json", action="store_true", help="print the JSON object (else a table)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--cfg", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args.child, json.loads(args.cfg))
+        return 0
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines: {', '.join(sorted(unknown))}")
+    if "ours_ram" not in engines:
+        engines.insert(0, "ours_ram")       # the reference: tokens, prompt ids, resident-layer count
+    cfg = {"gpu_mem": parse_bytes(args.gpu_mem), "max_context": args.max_context, "threads": args.threads,
+           "max_new_tokens": args.max_new_tokens, "prompt": args.prompt, "airllm_tokens": args.airllm_tokens,
+           "warmup_tokens": args.warmup_tokens, "omp_wait_policy": args.omp_wait_policy,
+           "model_path": str(model_folder(not args.no_private_copy))}
+    wall = time.perf_counter()
+    samples: dict[str, list[dict]] = {e: [] for e in engines}
+    for round_index in range(args.rounds):
+        for engine in engines:
+            if engine == "airllm" and round_index > 0:
+                continue                      # minutes per run on CPU; once is enough
+            progress(f"[round {round_index + 1}/{args.rounds}] {engine} ...")
+            started = time.perf_counter()
+            result = run_engine(engine, cfg, args.timeout)
+            result["child_wall_seconds"] = round(time.perf_counter() - started, 2)
+            samples[engine].append(result)
+            progress(f"    {engine}: {result.get('seconds_per_token', result.get('error') or result.get('skipped'))}")
+            if engine == "ours_ram" and round_index == 0:
+                if "error" in result:
+                    progress(json.dumps(result, indent=1))
+                    return 1
+                cfg.update(prompt_ids=result["prompt_ids"], resident_layers=result["tiers"]["device"])
+    report = build_report(args, cfg, engines, samples, time.perf_counter() - wall)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+    return 0
+
+
+def build_report(args, cfg: dict, engines: list[str], samples: dict, wall: float) -> dict:
+    import torch
+    reference = samples["ours_ram"][0]["token_ids"]
+    hf_tokens = next((s["token_ids"] for s in samples.get("transformers_resident", []) if "token_ids" in s), None)
+    results = {}
+    for engine in engines:
+        runs = samples[engine]
+        good = [r for r in runs if r.get("seconds_per_token") is not None]
+        entry: dict = {"what": WHAT[engine]}
+        if not good:
+            entry.update({k: v for k, v in runs[0].items() if k in ("error", "skipped", "traceback", "stderr_tail")})
+            results[engine] = entry
+            continue
+        last = good[-1]
+        tokens = last["token_ids"]
+        per_token = [r["seconds_per_token"] for r in good]
+        entry.update(seconds_per_token=round(statistics.median(per_token), 5), min_seconds_per_token=min(per_token),
+                     samples_seconds_per_token=per_token,
+                     tokens=last["tokens"], first_token_seconds=last.get("first_token_seconds"),
+                     same_tokens=tokens == reference[:len(tokens)] and len(tokens) > 0)
+        if len(tokens) < len(reference):
+            entry["compared_tokens"] = len(tokens)
+        if hf_tokens is not None:
+            entry["same_as_transformers"] = tokens == hf_tokens[:len(tokens)]
+        if not entry["same_tokens"]:
+            entry["token_ids"] = tokens
+        for key in ("disk_read_bytes", "load_seconds", "tiers", "engine_device_bytes", "stream", "threads",
+                    "device_map_values", "offload_store", "cpu_offloaded_layers", "airllm_version", "class",
+                    "prefetching", "streamed_modules", "gc_collect_seconds", "gc_collect_calls",
+                    "seconds_per_token_without_gc_estimate", "warmup_tokens"):
+            if key in last:
+                entry[key] = last[key]
+        errors = [r["error"] for r in runs if "error" in r]
+        if errors:
+            entry["failed_runs"] = errors
+        results[engine] = entry
+    spt = {e: r["seconds_per_token"] for e, r in results.items() if "seconds_per_token" in r}
+
+    def ratio(peer: str, ours: str):
+        return round(spt[peer] / spt[ours], 3) if peer in spt and ours in spt else None
+
+    ratios = {
+        "accelerate_disk_over_ours_disk_warm": ratio("accelerate_disk_warm", "ours_disk_warm"),
+        "accelerate_disk_cold_over_ours_disk_cold": ratio("accelerate_disk_cold", "ours_disk_cold"),
+        "accelerate_disk_over_ours_ram": ratio("accelerate_disk_warm", "ours_ram"),
+        "accelerate_cpu_over_ours_ram": ratio("accelerate_cpu", "ours_ram"),
+        "airllm_over_ours_disk_warm": ratio("airllm", "ours_disk_warm"),
+        "airllm_over_ours_ram": ratio("airllm", "ours_ram"),
+        "transformers_resident_over_ours_ram": ratio("transformers_resident", "ours_ram"),
+        "transformers_resident_over_ours_resident": ratio("transformers_resident", "ours_resident"),
+    }
+    like_for_like = [ratios["accelerate_disk_over_ours_disk_warm"], ratios["accelerate_disk_cold_over_ours_disk_cold"]]
+    goal = {"target": "our streamed decoding >= 2x faster per token than accelerate disk offload",
+            "met_disk_vs_disk": all(r is not None and r >= 2 for r in like_for_like) if any(like_for_like) else None,
+            "met_default_plan_ram_vs_accelerate_disk": (ratios["accelerate_disk_over_ours_ram"] or 0) >= 2
+            if ratios["accelerate_disk_over_ours_ram"] is not None else None}
+    return {
+        "benchmark": "peers", "model": cfg.get("model_path"), "private_copy": not args.no_private_copy, "dtype": "fp32", "device": "cpu",
+        "gpu_mem_bytes": cfg["gpu_mem"], "max_context": cfg["max_context"], "threads": cfg["threads"],
+        "max_new_tokens": cfg["max_new_tokens"], "airllm_tokens": cfg["airllm_tokens"], "rounds": args.rounds,
+        "warmup_tokens": cfg["warmup_tokens"],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset") if cfg["omp_wait_policy"] == "default"
+        else cfg["omp_wait_policy"],
+        "prompt": cfg["prompt"], "prompt_tokens": len(cfg.get("prompt_ids", [])),
+        "resident_layers": cfg.get("resident_layers"), "reference_tokens": reference,
+        "host": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "python": platform.python_version(),
+                 "torch": torch.__version__, "transformers": _version("transformers"),
+                 "accelerate": _version("accelerate")},
+        "wall_seconds": round(wall, 1),
+        "engines": results, "ratios": ratios, "goal": goal,
+        "notes": [
+            "seconds_per_token = (t(last token) - t(first token)) / (tokens - 1): decode steps only, prefill excluded; "
+            "median over rounds; every engine in its own child process, run one after the other, same thread count",
+            "ratios are peer seconds_per_token / ours (>1: ours is faster), from the medians; min_seconds_per_token "
+            "and the samples show how much the neighbours disturbed a run",
+            "same device budget: our planner decides which layers stay resident at --gpu-mem; the accelerate peers get "
+            "a device_map with exactly those layers (and the embeddings, norm, LM head) on the main device",
+            "on a CPU-only machine the main device is the CPU: 'cpu' offload moves no bytes (see accelerate_cpu.what); "
+            "'disk' offload is real: transformers 5 points accelerate's offload index at the original "
+            "model.safetensors (already fp32), so offload_folder stays empty and weights are read from the checkpoint, "
+            "like our disk tier",
+            "all engines load the same HF folder: a private copy (under .cache/peers/model) of "
+            "offload.sources.resolve_model(None), so that no other process on the shared machine keeps its pages "
+            "mapped and the cold runs can really evict it",
+            "disk_read_bytes is /proc/self/io read_bytes during the timed decode: bytes that really came from storage "
+            "(0 when the page cache served them); it shows whether a 'cold' run was cold",
+            "the machine is shared (see host.load_average): absolute seconds are noisy, ratios within one run are the figures",
+            "omp_wait_policy: every engine process runs with this OMP_WAIT_POLICY. With the default (spinning) policy "
+            "and 2 threads on the oversubscribed 2-core machine, transformers' forward and our disk tier slowed by "
+            "10-25x (e.g. transformers_resident 1.5 s/token instead of 0.055; our disk tier 1.5 s instead of 0.11) "
+            "while our RAM tier did not: OpenMP barriers spin while the partner thread is descheduled. That measures "
+            "the neighbours, so the default is PASSIVE (same figures as 1 thread); --omp-wait-policy default reproduces it",
+            "airllm decodes --airllm-tokens tokens (it is slow on CPU), so same_tokens compares them with the first "
+            "tokens of ours (compared_tokens); its gc_collect_seconds is the time inside the gc.collect() AirLLM runs "
+            "after every streamed layer, and seconds_per_token_without_gc_estimate is informational only",
+        ],
+    }
+
+
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:
+        return None
+
+
+def print_table(report: dict) -> None:
+    print(f"{'engine':24} {'s/token':>9} {'tokens':>6} {'same':>5} {'disk MB':>8}")
+    for engine, r in report["engines"].items():
+        if "seconds_per_token" not in r:
+            print(f"{engine:24} {r.get('error') or r.get('skipped')}")
+            continue
+        read = r.get("disk_read_bytes")
+        print(f"{engine:24} {r['seconds_per_token']:9.4f} {r['tokens']:6d} {str(r['same_tokens']):>5} "
+              f"{(read or 0) / 1e6:8.1f}")
+    for name, value in report["ratios"].items():
+        print(f"{name:45} {value}")
+    print(json.dumps(report["goal"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
