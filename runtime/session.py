@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from offload import LoadOptions, StreamDecoder, load_model
+from offload import LoadedModel, LoadOptions, StreamDecoder, load_model
 from offload.planner import PlanError
 from spec import DecodeConfig, Decoder, DecodeResult, SamplingConfig
+from spec.distill import check_tokenizers_match, default_draft_for, is_draft_folder, load_draft
 
 
 class UserError(Exception):
@@ -35,23 +36,42 @@ class RuntimeConfig:
             raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
 
 
+def _load_target(options: LoadOptions, on_status) -> LoadedModel:
+    """A draft folder runs on its own too (a quick look at its quality); anything else is a model."""
+    if options.model and is_draft_folder(Path(options.model).expanduser()):
+        return load_draft(options, on_status)
+    return load_model(options, on_status)
+
+
 class Session:
     def __init__(self, config: RuntimeConfig, on_status=None) -> None:
         self.config = config
-        if config.draft and not Path(config.draft).expanduser().exists():
-            raise UserError(f"draft model not found: {config.draft}")
         options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
                               gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
                               disk_cold=config.disk_cold)
         try:
-            self.target = load_model(options, on_status)
+            self.target = _load_target(options, on_status)
         except PlanError as err:
             raise UserError(str(err)) from None
+        self.draft_path = self._resolve_draft(config)
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
         decode = DecodeConfig(max_context=config.max_context)
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode)
         self._streamed_before = 0
+
+    def _resolve_draft(self, config: RuntimeConfig) -> Path | None:
+        """The draft a speculative run would use: --draft (checked against the target's tokenizer),
+        else the shipped draft of the default target; loaded by the speculative decoder."""
+        if config.no_draft:
+            return None
+        if config.draft is None:
+            return default_draft_for(config.target)
+        folder = Path(config.draft).expanduser()
+        if not (folder / "config.json").exists():
+            raise UserError(f"draft model not found: {config.draft} (a draft folder holds config.json)")
+        check_tokenizers_match(self.target.path, folder)
+        return folder
 
     def encode(self, messages: list[dict[str, str]] | None = None, raw: str | None = None) -> list[int]:
         if raw is not None:
@@ -108,6 +128,7 @@ class Session:
             "stop_reason": stats.stop_reason,
             "device": str(self.target.model.device),
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
+            "draft": str(self.draft_path) if self.draft_path else None,
             "speculative": False,
             "engine": self.engine_stats(),
         }

@@ -1,0 +1,130 @@
+"""`bench draft`: how often a draft agrees with its target on the target's own greedy answers, at
+which rank the target's token sits among the draft's choices, and what a draft token costs.
+
+Agreement is teacher-forced: the draft reads prompt + the target's greedy answer and, at every answer
+position, its choices are compared with the target's greedy token there (the next answer token).
+Cost is the wall time of a one-token step with a KV cache, batch 1, draft and target interleaved in
+the same run; the ratio is what speculation pays per drafted token, in target steps.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offload import LoadedModel
+from .compat import check_tokenizers_match
+from .draft_model import out_of_set_rows
+from .generate import GenerationConfig, generate_batch
+
+MAX_RANK = 8
+
+
+@dataclass(slots=True)
+class DraftBenchConfig:
+    max_new_tokens: int = 256
+    batch_size: int = 16            # target answers generated per batch
+    num_cost_steps: int = 32        # timed one-token steps per repeat
+    num_cost_repeats: int = 5
+    max_chain: int = 16             # longest draft chain considered for the speed-up estimate
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "num_cost_steps", "num_cost_repeats", "max_chain"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"bench {name} must be positive, got {getattr(self, name)}")
+
+
+def rank_counts(draft_logits: Tensor, target_ids: Tensor, row_of: Tensor) -> Tensor:
+    """draft_logits [T, K] over draft rows; target_ids [T] target tokens -> [MAX_RANK] int64: how often the
+    target's token is the draft's k-th choice (k = 1..MAX_RANK). Out-of-set tokens have no rank."""
+    rows = row_of[target_ids]                                                       # [T]
+    in_set = rows >= 0
+    target_logit = draft_logits.gather(-1, rows.clamp(min=0)[:, None])              # [T, 1]
+    ranks = (draft_logits > target_logit).sum(-1) + 1                               # [T]; ties favour the target
+    ranks = ranks[in_set & (ranks <= MAX_RANK)]
+    return torch.bincount(ranks - 1, minlength=MAX_RANK)[:MAX_RANK]
+
+
+def expected_speedup(acceptance: float, cost_ratio: float, max_chain: int) -> tuple[float, int]:
+    """Chain speculation with i.i.d. acceptance a and draft cost c (in target steps): tokens per cycle
+    (1 - a^(g+1)) / (1 - a) over cost g*c + 1, maximised over chain length g. Returns (value, g)."""
+    best = (1.0, 0)
+    for chain in range(1, max_chain + 1):
+        tokens = chain + 1 if acceptance >= 1 else (1 - acceptance ** (chain + 1)) / (1 - acceptance)
+        best = max(best, (tokens / (chain * cost_ratio + 1), chain))
+    return best
+
+
+def _draft_logits(draft: LoadedModel, token_ids: list[int]) -> Tensor:
+    """[T, K] the draft's trimmed logits at every position of one sequence."""
+    model = draft.model
+    cache = model.new_cache(len(token_ids))
+    forward = getattr(model, "forward_trimmed", model.forward)
+    return forward(torch.tensor([token_ids]), cache).logits[0].float().cpu()
+
+
+def _step_seconds(model, prompt: list[int], num_steps: int) -> float:
+    """Seconds per one-token step with a KV cache, after a prefill of `prompt`."""
+    forward = getattr(model, "forward_trimmed", model.forward)
+    cache = model.new_cache(len(prompt) + num_steps + 1)
+    forward(torch.tensor([prompt]), cache, last_only=True)
+    cache.commit()
+    token = torch.tensor([[prompt[-1]]])
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        forward(token, cache, last_only=True)
+        cache.commit()
+    return (time.perf_counter() - start) / num_steps
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], config: DraftBenchConfig) -> dict:
+    """Median seconds per token of draft and target, measured alternately (one warm-up each)."""
+    _step_seconds(target.model, prompt, 2), _step_seconds(draft.model, prompt, 2)
+    target_times, draft_times = [], []
+    for _ in range(config.num_cost_repeats):
+        target_times.append(_step_seconds(target.model, prompt, config.num_cost_steps))
+        draft_times.append(_step_seconds(draft.model, prompt, config.num_cost_steps))
+    target_s, draft_s = statistics.median(target_times), statistics.median(draft_times)
+    return {"target_seconds_per_token": target_s, "draft_seconds_per_token": draft_s,
+            "cost_ratio": draft_s / target_s}
+
+
+def bench_draft(target: LoadedModel, draft: LoadedModel, prompts: list[list[dict[str, str]]],
+                config: DraftBenchConfig, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """prompts: chat message lists. Returns the JSON report (see module docstring)."""
+    check_tokenizers_match(target.path, draft.path)
+    encoded = [target.tokenizer.encode_chat(m) for m in prompts]
+    vocab_map = getattr(draft.model, "vocab_map", torch.arange(draft.config.vocab_size))
+    row_of = out_of_set_rows(vocab_map.cpu(), target.config.vocab_size)
+    generation = GenerationConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
+    counts = torch.zeros(MAX_RANK, dtype=torch.long)
+    num_positions = num_in_set = 0
+    for start in range(0, len(encoded), config.batch_size):
+        batch = encoded[start:start + config.batch_size]
+        for seq in generate_batch(target.model, batch, target.stop_ids, generation):
+            answer = torch.tensor(seq.answer_ids)
+            logits = _draft_logits(draft, seq.token_ids)[seq.num_prompt_tokens - 1:-1]     # [A, K]
+            counts += rank_counts(logits, answer, row_of)
+            num_positions += answer.numel()
+            num_in_set += int((row_of[answer] >= 0).sum())
+        if on_progress:
+            on_progress({"phase": "bench", "done": min(start + config.batch_size, len(encoded)),
+                         "total": len(encoded), "top1_agreement": int(counts[0]) / max(num_positions, 1)})
+    report = _report(counts, num_positions, num_in_set, len(encoded))
+    report.update(measure_costs(target, draft, encoded[0], config))
+    report["estimated_speedup"], report["best_chain_length"] = expected_speedup(
+        report["top1_agreement"], report["cost_ratio"], config.max_chain)
+    return report
+
+
+def _report(counts: Tensor, num_positions: int, num_in_set: int, num_prompts: int) -> dict:
+    rates = (counts.double() / max(num_positions, 1)).tolist()
+    return {"num_prompts": num_prompts, "num_answer_tokens": num_positions,
+            "top1_agreement": rates[0],
+            "rank_acceptance": {str(k + 1): rates[k] for k in range(MAX_RANK)},
+            "topk_coverage": {str(k + 1): sum(rates[:k + 1]) for k in range(MAX_RANK)},
+            "vocab_coverage": num_in_set / max(num_positions, 1)}

@@ -1,0 +1,86 @@
+"""A draft folder loaded for inference: an ordinary DecoderModel whose LM head covers K target tokens.
+
+`forward` returns logits over the full target vocabulary (out-of-set tokens at -inf, so zero
+probability) and plugs into everything that runs a model (Decoder, Session: `cli.py run --target
+DRAFT_DIR`). `forward_trimmed` returns the K-row logits that speculation needs, without the scatter.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offload import DecoderModel, ForwardOutput, KVCache, LoadedModel, LoadOptions, Tokenizer
+from offload.budgets import default_device_budget
+from offload.config import ModelConfig
+from offload.devices import choose_device, choose_dtype
+from offload.loader import stop_token_ids
+from offload.packing import LayerLayout
+from offload.planner import PlanRequest, make_plan
+from offload.resident import to_device
+from offload.stream import StreamingLayers
+from .draft_io import read_draft_info, read_draft_tensors, target_embedding
+from .draft_model import expand_to_target_vocab
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DRAFTS = {None: REPO_ROOT / "drafts" / "smollm2-135m-instruct"}   # target spec -> shipped draft
+
+
+class DraftDecoderModel(DecoderModel):
+    def __init__(self, config: ModelConfig, globals_: dict[str, Tensor], layers, device: torch.device,
+                 dtype: torch.dtype, vocab_map: Tensor, head_bias: Tensor) -> None:
+        super().__init__(config, globals_, layers, device, dtype)
+        self.vocab_map = vocab_map.to(device)                 # [K] target id of each head row
+        self.head_bias = head_bias.to(device=device, dtype=torch.float32)   # [K]
+
+    def forward_trimmed(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
+                        mask: Tensor | None = None, return_hidden: bool = False,
+                        last_only: bool = False) -> ForwardOutput:
+        """As DecoderModel.forward, with logits [B, N, K] over the draft's rows (map: self.vocab_map)."""
+        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only)
+        return ForwardOutput(out.logits + self.head_bias, out.hidden)
+
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None,
+                return_hidden: bool = False, last_only: bool = False) -> ForwardOutput:
+        """logits [B, N, V] over target ids; tokens outside the draft's vocabulary get -inf."""
+        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only)
+        return ForwardOutput(expand_to_target_vocab(out.logits, self.vocab_map, self.config.vocab_size), out.hidden)
+
+
+def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None,
+               target_folder: str | Path | None = None) -> LoadedModel:
+    """Loads the draft folder `options.model` like load_model loads a model. The token embedding is
+    `embed` when given (the running target's, shared), else read from the draft's target."""
+    folder = Path(options.model).expanduser()
+    info = read_draft_info(folder)
+    config = ModelConfig.from_file(folder)
+    device = choose_device(options.device)
+    dtype = choose_dtype(options.dtype, device)
+    layer_tensors, stored = read_draft_tensors(folder, config)
+    if embed is None:
+        if on_status:
+            on_status(f"draft {folder.name}: reading the token embedding of its target ({info.target})")
+        embed = target_embedding(info, folder, target_folder)
+    globals_ = to_device({"embed": embed, "norm": stored["norm"], "lm_head": stored["lm_head"]}, device, dtype)
+    global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
+    layout = LayerLayout.from_tensors(layer_tensors[0], dtype)
+    plan = make_plan(PlanRequest(
+        config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
+        device_budget=options.gpu_mem or default_device_budget(device), host_budget=options.ram or 1,
+        max_context=options.max_context, max_tree=options.max_pass_tokens, dtype_bytes=dtype.itemsize,
+        ring_size=options.ring_size, device_is_cpu=device.type == "cpu"))
+    if any(tier != "device" for tier in plan.tier_of):
+        raise ValueError(f"draft {folder} does not fit the device budget; a draft must stay resident")
+    resident = {i: to_device(layer, device, dtype) for i, layer in enumerate(layer_tensors)}
+    layers = StreamingLayers(layout, resident, plan.tier_of, None, None, device, options.ring_size)
+    model = DraftDecoderModel(config, globals_, layers, device, dtype, stored["vocab_map"], stored["head_bias"])
+    tokenizer = Tokenizer(folder)
+    return LoadedModel(folder, config, tokenizer, model, layers, plan, stop_token_ids(folder, config, tokenizer),
+                       global_bytes)
+
+
+def default_draft_for(target: str | None) -> Path | None:
+    """The shipped draft for a target spec (None / "default": the embedded model), if one exists."""
+    folder = DEFAULT_DRAFTS.get(None if target in (None, "default") else target)
+    return folder if folder is not None and (folder / "config.json").exists() else None

@@ -1,0 +1,249 @@
+"""spec/distill: batched generation, the draft folder, the sparse KL loss, resume, tokenizer checks and
+bench_draft, on tiny random targets with a tiny word-level tokenizer (nothing is downloaded)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from offload import LoadOptions, load_model
+from spec import DecodeConfig, Decoder, SamplingConfig
+from spec.distill import (DraftBenchConfig, bench_draft, check_tokenizers_match, is_draft_folder, load_draft,
+                          load_draft_module)
+from spec.distill.bench import expected_speedup, rank_counts
+from spec.distill.corpus import CorpusSequence, append_shard, load_corpus
+from spec.distill.draft_io import DraftInfo, DraftFormatError, embedding_fingerprint, dequantize_int8, quantize_int8, save_draft
+from spec.distill.draft_model import choose_vocab, draft_from_target, out_of_set_rows
+from spec.distill.generate import NO_TARGET, GenerationConfig, generate_batch
+from spec.distill.loss import sparse_kl_loss
+from spec.distill.prompts import prompts_from_jsonl
+from spec.distill.train import TrainConfig, Trainer
+from offload.weights import CheckpointSource
+
+from conftest import make_tiny_checkpoint
+
+VOCAB = 256
+SPECIALS = ["<unk>", "<s>", "</s>"]
+TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> {% endif %}"
+
+
+def _write_tokenizer(folder: Path, rename: dict[str, str] | None = None, eos: str = "</s>") -> None:
+    words = SPECIALS + [f"w{i}" for i in range(len(SPECIALS), VOCAB)]
+    words = [(rename or {}).get(w, w) for w in words]
+    fast = FastTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    fast.pre_tokenizer = Whitespace()
+    fast.add_special_tokens(SPECIALS)
+    fast.save(str(folder / "tokenizer.json"))
+    settings = {"bos_token": "<s>", "eos_token": eos, "unk_token": "<unk>", "chat_template": TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=3, bos_token_id=1, num_hidden_layers=3,
+                                     eos_token_id=2)
+    _write_tokenizer(folder)
+    return load_model(LoadOptions(str(folder), device="cpu", dtype="fp32"))
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist()
+            for n in torch.randint(3, 12, (count,), generator=generator)]
+
+
+@pytest.fixture(scope="module")
+def corpus(target, tmp_path_factory):
+    """Greedy answers of the tiny target to 24 random prompts, stored as a corpus."""
+    folder = tmp_path_factory.mktemp("corpus")
+    config = GenerationConfig(batch_size=8, max_new_tokens=24, top_k=8, prefill_chunk=4)
+    for start in range(0, 24, 8):
+        sequences = generate_batch(target.model, _prompts(8, start), target.stop_ids, config)
+        records = [{"id": f"p{start + i}", "source": "random"} for i in range(8)]
+        append_shard(folder, "greedy", records, sequences, ["" for _ in sequences])
+    return load_corpus(folder)
+
+
+def _draft(target, vocab_top: int = 128, num_layers: int = 1):
+    source = CheckpointSource(target.path, target.config)
+    counts = torch.arange(VOCAB, 0, -1)     # low ids most frequent: the kept set is 0..vocab_top-1
+    vocab_map = choose_vocab(counts, vocab_top, target.stop_ids)
+    return draft_from_target(source, "small", num_layers, 0, vocab_map), source
+
+
+def _save(target, model, folder: Path, source) -> Path:
+    info = DraftInfo("small", 0, model.vocab_top, str(target.path), embedding_fingerprint(source.global_tensors()["embed"]))
+    save_draft(folder, model, info, target.path)
+    return folder
+
+
+def test_batched_left_padded_generation_matches_one_by_one(target):
+    prompts = _prompts(5, seed=7)
+    config = GenerationConfig(batch_size=5, max_new_tokens=12, top_k=4, prefill_chunk=3)
+    batched = generate_batch(target.model, prompts, set(), config)
+    decoder = Decoder(target.model, set(), DecodeConfig(12, 64))
+    for prompt, seq in zip(prompts, batched):
+        decoder.reset()
+        assert seq.answer_ids == decoder.generate(prompt, SamplingConfig()).token_ids
+        # the stored top-1 after each token is the next token of the greedy answer
+        assert seq.topk_ids[len(prompt) - 1:-1, 0].tolist() == seq.answer_ids
+        assert seq.topk_ids[-1, 0] == NO_TARGET and len(seq.topk_ids) == len(seq.token_ids)
+
+
+def test_draft_folder_round_trip(target, tmp_path):
+    model, source = _draft(target, num_layers=2)
+    folder = _save(target, model, tmp_path / "draft", source)
+    assert is_draft_folder(folder) and not is_draft_folder(target.path)
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["specstream_draft"]["format"] == "specstream-draft" and raw["num_hidden_layers"] == 2
+    reloaded = load_draft_module(folder)
+    tokens = torch.tensor([_prompts(1)[0]])
+    with torch.no_grad():                      # matrices stored in int8 (groups of 64), vectors in fp16
+        for param in model.parameters():
+            if param.dim() == 2:
+                quantized, scale = quantize_int8(param)
+                restored = dequantize_int8(quantized, scale)
+                assert (restored - param).abs().max() <= scale.float().max() / 2 + 1e-6
+                param.copy_(restored)
+            else:
+                param.copy_(param.half().float())
+    assert torch.allclose(reloaded(tokens), model(tokens), atol=1e-5)
+    loaded = load_draft(LoadOptions(str(folder), device="cpu", dtype="fp32"))
+    cache = loaded.model.new_cache(32)
+    trimmed = loaded.model.forward_trimmed(tokens, cache).logits
+    assert torch.allclose(trimmed, reloaded(tokens), atol=1e-4)
+
+
+def test_out_of_set_tokens_get_zero_probability(target, tmp_path):
+    model, source = _draft(target, vocab_top=40)
+    loaded = load_draft(LoadOptions(str(_save(target, model, tmp_path / "d", source)), device="cpu", dtype="fp32"))
+    probs = loaded.model.forward(torch.tensor([[5, 6, 7]]), loaded.model.new_cache(8)).logits.softmax(-1)
+    assert probs.shape[-1] == VOCAB
+    in_set = torch.zeros(VOCAB, dtype=torch.bool)
+    in_set[loaded.model.vocab_map] = True
+    assert torch.all(probs[..., ~in_set] == 0) and torch.allclose(probs.sum(-1), torch.ones(1, 3))
+    assert in_set[2] and in_set[:40].all() and not in_set[40:].any()   # the stop token is always kept
+    greedy = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(6, 32)).generate([5, 6], SamplingConfig())
+    assert all(in_set[t] for t in greedy.token_ids)
+
+
+def test_draft_needs_its_own_target(target, tmp_path):
+    model, source = _draft(target)
+    folder = _save(target, model, tmp_path / "d", source)
+    other, _ = make_tiny_checkpoint(tmp_path / "other", "llama", seed=9)
+    with pytest.raises(DraftFormatError, match="embedding differs"):
+        load_draft_module(folder, target_folder=other)
+
+
+def test_sparse_kl_is_zero_for_the_teacher_and_skips_out_of_set():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])                 # [1, 1, K=4]
+    vocab_map = torch.tensor([10, 11, 12, 13])
+    row_of = out_of_set_rows(vocab_map, 20)
+    teacher = logits.log_softmax(-1)
+    ids = torch.tensor([[[10, 11, 12, 13]]], dtype=torch.int32)
+    out = sparse_kl_loss(logits, ids, teacher.half(), row_of, torch.ones(1, 1, dtype=torch.bool))
+    assert abs(float(out.loss)) < 1e-3 and out.num_agree == 1
+    # the teacher's top-1 (id 5) is out of set: renormalised over the in-set rest, no agreement
+    ids = torch.tensor([[[5, 11, 12, 13]]], dtype=torch.int32)
+    out = sparse_kl_loss(logits, ids, teacher.half(), row_of, torch.ones(1, 1, dtype=torch.bool))
+    assert out.num_agree == 0 and out.num_top1_in_set == 0 and float(out.loss) > 0
+
+
+def _trainer(target, corpus, work: Path, num_steps: int) -> Trainer:
+    model, _ = _draft(target, vocab_top=VOCAB)
+    config = TrainConfig(num_steps=num_steps, batch_tokens=256, learning_rate=3e-3, warmup_steps=2,
+                         eval_every=1000, use_bf16=False, checkpoint_seconds=1e9)
+    return Trainer(model, corpus[:20], corpus[20:], config, work)
+
+
+def test_kl_loss_decreases(target, corpus, tmp_path):
+    trainer = _trainer(target, corpus, tmp_path, 30)
+    losses = [trainer.step()["loss"] for _ in range(30)]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    assert trainer.evaluate()["num_tokens"] > 0
+
+
+def test_resume_continues_from_checkpoint(target, corpus, tmp_path):
+    straight = _trainer(target, corpus, tmp_path / "a", 8)
+    straight.run()
+    first = _trainer(target, corpus, tmp_path / "b", 8)
+    for _ in range(4):
+        first.step()
+    first.save_checkpoint()
+    resumed = _trainer(target, corpus, tmp_path / "b", 8)
+    assert resumed.load_checkpoint() and resumed.state.step == 4
+    resumed.run()
+    assert resumed.state.step == 8
+    for a, b in zip(straight.model.trainable_parameters(), resumed.model.trainable_parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_tokenizer_mismatch_is_refused(target, tmp_path):
+    model, source = _draft(target)
+    folder = _save(target, model, tmp_path / "d", source)
+    check_tokenizers_match(target.path, folder)
+    _write_tokenizer(folder, rename={"w7": "seven"})
+    with pytest.raises(ValueError, match="token 'w7'"):
+        check_tokenizers_match(target.path, folder)
+    _write_tokenizer(folder, eos="<unk>")
+    with pytest.raises(ValueError, match="eos_token"):
+        check_tokenizers_match(target.path, folder)
+
+
+def test_rank_counts_hand_computed():
+    vocab_map = torch.tensor([3, 5, 7, 9])                       # draft rows -> target ids
+    row_of = out_of_set_rows(vocab_map, 12)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0],                # target 3 -> row 0: rank 1
+                           [4.0, 3.0, 2.0, 1.0],                # target 7 -> row 2: rank 3
+                           [0.0, 5.0, 1.0, 2.0],                # target 5 -> row 1: rank 1
+                           [0.0, 5.0, 1.0, 2.0]])               # target 4: out of set, no rank
+    counts = rank_counts(logits, torch.tensor([3, 7, 5, 4]), row_of)
+    assert counts.tolist() == [2, 0, 1, 0, 0, 0, 0, 0]
+    assert expected_speedup(0.0, 0.1, 8) == (1.0, 0)
+    value, chain = expected_speedup(0.8, 0.1, 16)
+    assert chain > 1 and value > 2
+
+
+def test_bench_draft_agreement(target, tmp_path):
+    prompts = [[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}] for ids in _prompts(4, 5)]
+    config = DraftBenchConfig(max_new_tokens=10, batch_size=2, num_cost_steps=2, num_cost_repeats=1)
+    report = bench_draft(target, target, prompts, config)          # the target drafting for itself
+    assert report["top1_agreement"] == 1.0 and report["rank_acceptance"]["2"] == 0.0
+    assert report["num_answer_tokens"] > 0 and report["cost_ratio"] > 0
+    model, source = _draft(target, vocab_top=64)
+    draft = load_draft(LoadOptions(str(_save(target, model, tmp_path / "d", source)), device="cpu", dtype="fp32"))
+    report = bench_draft(target, draft, prompts, config)
+    assert 0 <= report["top1_agreement"] <= report["topk_coverage"]["8"] <= report["vocab_coverage"] <= 1
+
+
+def test_evaluation_files_are_refused(tmp_path):
+    path = tmp_path / "prompts" / "chat.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="evaluation data"):
+        prompts_from_jsonl(path)
+    assert len(prompts_from_jsonl(path, is_evaluation=True)) == 1
+
+
+def test_distill_end_to_end_and_resume(target, tmp_path):
+    from spec.distill import DistillConfig, distill
+    generation = GenerationConfig(batch_size=4, max_new_tokens=6, max_prompt_tokens=200, top_k=4, prefill_chunk=64)
+    config = DistillConfig(str(target.path), tmp_path / "draft", num_layers=1, vocab_top=64, num_steps=3,
+                           batch_tokens=256, num_self_prompts=3, max_gsm8k_prompts=3, max_prompts=8,
+                           num_sampled_prompts=2, generation=generation, device="cpu", dtype="fp32")
+    events = []
+    summary = distill(config, events.append)
+    assert summary["steps"] == 3 and is_draft_folder(config.out_dir)
+    assert {"self_prompts", "generate", "train"} <= {e["phase"] for e in events}
+    with pytest.raises(ValueError, match="--resume"):
+        distill(config)
+    config.resume, config.num_steps = True, 5
+    assert distill(config)["steps"] == 5
+    draft = load_draft(LoadOptions(str(config.out_dir), device="cpu", dtype="fp32"))
+    check_tokenizers_match(target.path, draft.path)
