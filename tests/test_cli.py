@@ -92,3 +92,24 @@ def test_corrupt_weights_are_rejected_before_generation(tmp_path):
     result = cli("run", "hi", "--target", str(folder))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert str(weights) in result.stderr.replace("\n", "") and "truncated" in result.stderr
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path):
+    from offload.sources import resolve_model
+    default = resolve_model(None)
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_text((default / name).read_text())
+    settings = json.loads((default / "tokenizer_config.json").read_text())
+    settings["eos_token"] = "<|endoftext|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    result = cli("run", "hi", "--draft", str(tmp_path), "--max-new-tokens", "1")
+    assert result.returncode == 2 and "does not share the tokenizer" in result.stderr and "eos_token" in result.stderr
+
+
+def test_shipped_draft_is_the_default_pair_and_runs_alone():
+    report = json.loads(cli("run", "What is 2+2?", "--json", "--max-new-tokens", "4").stdout)
+    assert report["draft"].endswith("drafts/smollm2-135m-instruct")
+    assert json.loads(cli("run", "hi", "--json", "--no-draft", "--max-new-tokens", "1").stdout)["draft"] is None
+    alone = cli("run", "What is 2+2?", "--target", str(ROOT / "drafts" / "smollm2-135m-instruct"), "--json",
+                "--max-new-tokens", "8")
+    assert alone.returncode == 0 and 1 <= json.loads(alone.stdout)["num_new_tokens"] <= 8
