@@ -3,7 +3,6 @@ bench_draft, on tiny random targets with a tiny word-level tokenizer (nothing is
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from spec import DecodeConfig, Decoder, SamplingConfig
 from spec.distill import (DraftBenchConfig, bench_draft, check_tokenizers_match, is_draft_folder, load_draft,
                           load_draft_module)
 from spec.distill.bench import expected_speedup, rank_counts
-from spec.distill.corpus import CorpusSequence, append_shard, load_corpus
+from spec.distill.corpus import append_shard, load_corpus
 from spec.distill.draft_io import DraftInfo, DraftFormatError, embedding_fingerprint, dequantize_int8, quantize_int8, save_draft
 from spec.distill.draft_model import choose_vocab, draft_from_target, out_of_set_rows
 from spec.distill.generate import NO_TARGET, GenerationConfig, generate_batch
@@ -66,7 +65,8 @@ def corpus(target, tmp_path_factory):
     for start in range(0, 24, 8):
         sequences = generate_batch(target.model, _prompts(8, start), target.stop_ids, config)
         records = [{"id": f"p{start + i}", "source": "random"} for i in range(8)]
-        append_shard(folder, "greedy", records, sequences, ["" for _ in sequences])
+        # answers may hold characters str.splitlines() breaks on; records must survive them
+        append_shard(folder, "greedy", records, sequences, ["line\u2028sep\x85nel" for _ in sequences])
     return load_corpus(folder)
 
 

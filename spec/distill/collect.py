@@ -11,6 +11,7 @@ import torch
 from offload import LoadedModel
 from .corpus import append_shard, done_ids
 from .generate import GenerationConfig, generate_batch, length_sorted_batches
+from .jsonl import read_jsonl
 from .prompts import TrainingPrompt, clean_self_prompt, meta_prompts
 
 ProgressCallback = Callable[[dict], None]
@@ -47,7 +48,7 @@ def collect_self_prompts(target: LoadedModel, corpus_dir: Path, count: int, conf
     returns the usable ones (resumable through self_prompts.jsonl)."""
     path = Path(corpus_dir) / SELF_PROMPTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
     done = {row["meta_id"] for row in rows}
     todo = [(p, target.tokenizer.encode_chat(p.messages)) for p in meta_prompts(count, config.seed)
             if p.id not in done]

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from offload.safetensors_io import SafetensorsFile, write_safetensors
 from .generate import GeneratedSequence
+from .jsonl import read_jsonl
 
 CORPUS_FORMAT = {"format": "specstream-distill-corpus", "version": "1"}
 
@@ -38,7 +39,7 @@ def done_ids(corpus_dir: Path, tag: str) -> set[str]:
     path = Path(corpus_dir) / f"records-{tag}.jsonl"
     if not path.exists():
         return set()
-    return {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+    return {row["id"] for row in read_jsonl(path)}
 
 
 def append_shard(corpus_dir: Path, tag: str, records: list[dict], sequences: list[GeneratedSequence],
@@ -67,7 +68,7 @@ def append_shard(corpus_dir: Path, tag: str, records: list[dict], sequences: lis
 def read_records(corpus_dir: Path) -> list[dict]:
     records = []
     for path in sorted(Path(corpus_dir).glob("records-*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records += read_jsonl(path)
     return records
 
 

@@ -6,10 +6,11 @@ meta-prompts below), and any JSONL file of prompts given with --data. Evaluation
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .jsonl import read_jsonl
 
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 # Files whose prompts are used to evaluate drafts; training on them would inflate every figure.
@@ -64,8 +65,7 @@ def _user(text: str) -> list[dict[str, str]]:
 def seed_task_prompts(path: Path) -> list[TrainingPrompt]:
     """Self-instruct seed tasks: instruction, plus the instance input when it has one."""
     prompts = []
-    for line in Path(path).read_text().splitlines():
-        task = json.loads(line)
+    for task in read_jsonl(path):
         for index, instance in enumerate(task["instances"]):
             text = task["instruction"] + (f"\n\n{instance['input']}" if instance.get("input") else "")
             prompts.append(TrainingPrompt(f"{task['id']}.{index}", "seed_tasks", _user(text)))
@@ -79,10 +79,7 @@ def prompts_from_jsonl(path: Path, source: str | None = None, is_evaluation: boo
         refuse_evaluation_file(path)
     source = source or Path(path).stem
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for number, row in enumerate(read_jsonl(path)):
         text = row.get("question") or row.get("prompt") or (row.get("turns") or [None])[0]
         if text is None and row.get("instruction"):
             text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
