@@ -247,3 +247,12 @@ def test_distill_end_to_end_and_resume(target, tmp_path):
     assert distill(config)["steps"] == 5
     draft = load_draft(LoadOptions(str(config.out_dir), device="cpu", dtype="fp32"))
     check_tokenizers_match(target.path, draft.path)
+
+
+def test_default_target_resolves_to_the_shipped_draft():
+    from spec.distill import default_draft_for, read_draft_info
+    folder = default_draft_for(None)
+    assert folder is not None and default_draft_for("default") == folder and default_draft_for("x/y") is None
+    info = read_draft_info(folder)
+    assert info.target == "default" and info.kind in ("small", "early-exit")
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 25_000_000

@@ -24,7 +24,7 @@ from .draft_io import read_draft_info, read_draft_tensors, target_embedding
 from .draft_model import expand_to_target_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DRAFTS = {None: REPO_ROOT / "drafts" / "smollm2-135m-instruct"}   # target spec -> shipped draft
+DEFAULT_TARGET_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m-instruct"    # shipped for the embedded default
 
 
 class DraftDecoderModel(DecoderModel):
@@ -82,5 +82,6 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
 
 def default_draft_for(target: str | None) -> Path | None:
     """The shipped draft for a target spec (None / "default": the embedded model), if one exists."""
-    folder = DEFAULT_DRAFTS.get(None if target in (None, "default") else target)
-    return folder if folder is not None and (folder / "config.json").exists() else None
+    if target not in (None, "default"):
+        return None
+    return DEFAULT_TARGET_DRAFT if (DEFAULT_TARGET_DRAFT / "config.json").exists() else None
