@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from offload.config import ModelConfig
 from offload.model import DecoderModel
-from offload.resident import ResidentLayers, to_device
+from offload.loader import LoadOptions, build_engine
 from offload.weights import CheckpointSource
 
 CPU = torch.device("cpu")
@@ -68,12 +68,10 @@ def make_tiny_checkpoint(tmp_path: Path, family: str, seed: int = 0, save_kwargs
 
 
 def load_ours(folder: Path, dtype: torch.dtype = torch.float32) -> DecoderModel:
-    """Our runtime's model on CPU, wired as offload/loader.py wires it (minus tokenizer)."""
-    config = ModelConfig.from_file(folder)
-    source = CheckpointSource(folder, config)
-    globals_ = to_device(source.global_tensors(), CPU, dtype)
-    layers = ResidentLayers(source, CPU, dtype)
-    return DecoderModel(config, globals_, layers, CPU, dtype)
+    """Our runtime's model on CPU, built as offload/loader.py builds it (minus tokenizer)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    source = CheckpointSource(folder, ModelConfig.from_file(folder))
+    return build_engine(source, LoadOptions(device="cpu", dtype=names[dtype])).model
 
 
 def hf_logits(hf_model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
