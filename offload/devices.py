@@ -4,15 +4,24 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICE_NAMES = ("auto", "cpu", "cuda")
 
 
-def choose_device(name: str = "auto") -> torch.device:
+def check_names(device: str, dtype: str) -> None:
+    """Raises ValueError for a device or dtype name this runtime does not know."""
+    if device not in DEVICE_NAMES:
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
+
+
+def choose_device(name: str = "auto", require_available: bool = True) -> torch.device:
+    """require_available=False names a device this machine lacks (planning for another machine)."""
+    check_names(name, "auto")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name == "cuda" and require_available and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available (use auto or cpu)")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 
@@ -22,6 +31,5 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cpu":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {name!r}")
+    check_names("auto", name)
     return DTYPES[name]

@@ -10,7 +10,7 @@ import torch
 
 from .budgets import default_device_budget, default_host_budget
 from .config import ModelConfig
-from .devices import choose_device, choose_dtype
+from .devices import check_names, choose_device, choose_dtype
 from .model import DecoderModel
 from .packing import LayerLayout
 from .planner import Plan, PlanRequest, make_plan
@@ -37,10 +37,7 @@ class LoadOptions:
     disk_cold: bool = False
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        check_names(self.device, self.dtype)
         if self.ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {self.ring_size}")
 

@@ -8,7 +8,7 @@ import torch
 
 from .budgets import default_device_budget, default_host_budget
 from .config import ModelConfig
-from .devices import DTYPES
+from .devices import DTYPES, choose_device
 from .gguf_import import cache_root
 from .planner import Plan, make_plan, parse_bytes, request_from_config
 from .sources import resolve_model
@@ -16,15 +16,9 @@ from .sources import resolve_model
 NOMINAL_PCIE4_GBPS = 25.0
 
 
-def plan_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def build_plan(args) -> Plan:
     """args: target, draft, gpu_mem, ram, budget, context, dtype, device, ring (strings as typed)."""
-    device = plan_device(args.device)
+    device = choose_device(args.device, require_available=False)
     config = ModelConfig.from_file(resolve_model(args.target))
     draft = ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None
     if args.gpu_mem:
@@ -42,7 +36,7 @@ def build_plan(args) -> Plan:
 def measured_bandwidth(args) -> dict[str, float]:
     """Bytes/s for the host->device link and the disk: given on the command line, else measured now."""
     from .bandwidth import disk_probe_gbps, host_to_device_gbps
-    device = plan_device(args.device)
+    device = choose_device(args.device, require_available=False)
     link = args.link_gbps
     if link is None:
         can_measure = device.type == "cpu" or torch.cuda.is_available()

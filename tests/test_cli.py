@@ -108,8 +108,8 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
 
 def test_shipped_draft_is_the_default_pair_and_runs_alone():
     report = json.loads(cli("run", "What is 2+2?", "--json", "--max-new-tokens", "4").stdout)
-    assert report["draft"].endswith("drafts/smollm2-135m-instruct")
+    assert report["draft"].endswith("spec/drafts/smollm2-135m-instruct")
     assert json.loads(cli("run", "hi", "--json", "--no-draft", "--max-new-tokens", "1").stdout)["draft"] is None
-    alone = cli("run", "What is 2+2?", "--target", str(ROOT / "drafts" / "smollm2-135m-instruct"), "--json",
+    alone = cli("run", "What is 2+2?", "--target", str(ROOT / "spec" / "drafts" / "smollm2-135m-instruct"), "--json",
                 "--max-new-tokens", "8")
     assert alone.returncode == 0 and 1 <= json.loads(alone.stdout)["num_new_tokens"] <= 8

@@ -24,6 +24,7 @@ from .draft_model import DRAFT_KINDS, DraftModel, choose_vocab, draft_from_targe
 from .generate import GenerationConfig
 from .prompts import (TrainingPrompt, default_prompt_files, interleave, prompts_from_jsonl, refuse_evaluation_file,
                       seed_task_prompts)
+from .templates import extraction_passages, template_prompts
 from .text import collect_text
 from .train import TrainConfig, Trainer
 
@@ -46,6 +47,7 @@ class DistillConfig:
     learning_rate: float = 2e-3
     resume: bool = False
     num_self_prompts: int = 2480            # prompts the target writes itself
+    num_template_prompts: int = 4000        # synthetic chat prompts (spec/distill/templates.py)
     max_gsm8k_prompts: int = 1000
     max_prompts: int | None = None          # cap on all prompts answered greedily (None: every one)
     num_sampled_prompts: int = 600          # prompts also answered with sampling (temperature 0.8)
@@ -79,13 +81,17 @@ class DistillConfig:
 
 def training_prompts(config: DistillConfig, target: LoadedModel, corpus_dir: Path,
                      on_progress: ProgressCallback | None) -> list[TrainingPrompt]:
-    """Seed tasks, prompts the target writes, GSM8K train questions and --data JSONL prompts, mixed."""
+    """Seed tasks, chat templates, prompts the target writes, GSM8K train questions and --data JSONL
+    prompts, mixed. Extraction templates work on GSM8K train questions and seed-task inputs."""
     files = default_prompt_files()
     meta = GenerationConfig(batch_size=config.generation.batch_size, max_new_tokens=80, temperature=1.0,
                             seed=config.seed + 1)
-    groups = [seed_task_prompts(files["seed_tasks"]),
+    seed_tasks = seed_task_prompts(files["seed_tasks"])
+    gsm8k = prompts_from_jsonl(files["gsm8k_train"], "gsm8k_train")
+    passages = extraction_passages(seed_tasks, gsm8k)
+    groups = [seed_tasks, template_prompts(config.num_template_prompts, config.seed, passages),
               collect_self_prompts(target, corpus_dir, config.num_self_prompts, meta, on_progress),
-              prompts_from_jsonl(files["gsm8k_train"], "gsm8k_train")[:config.max_gsm8k_prompts]]
+              gsm8k[:config.max_gsm8k_prompts]]
     groups += [prompts_from_jsonl(p) for p in config.data if Path(p).suffix == ".jsonl"]
     return interleave([g for g in groups if g], config.seed)[:config.max_prompts]
 

@@ -23,8 +23,7 @@ from offload.stream import StreamingLayers
 from .draft_io import read_draft_info, read_draft_tensors, target_embedding
 from .draft_model import expand_to_target_vocab
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TARGET_DRAFT = REPO_ROOT / "drafts" / "smollm2-135m-instruct"    # shipped for the embedded default
+DEFAULT_TARGET_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"  # ships in the package
 
 
 class DraftDecoderModel(DecoderModel):

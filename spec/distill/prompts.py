@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .jsonl import read_jsonl
 
-REPO_DATA = Path(__file__).resolve().parents[2] / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"   # training sets, with their licences
 # Files whose prompts are used to evaluate drafts; training on them would inflate every figure.
 EVAL_FILES = ("prompts/chat.jsonl", "mt_bench/question.jsonl", "gsm8k/test.jsonl")
 
@@ -121,5 +121,5 @@ def interleave(groups: list[list[TrainingPrompt]], seed: int) -> list[TrainingPr
 
 def default_prompt_files() -> dict[str, Path]:
     """The shipped training sets (data/ in the repository, with their licences)."""
-    return {"seed_tasks": REPO_DATA / "self_instruct" / "seed_tasks.jsonl",
-            "gsm8k_train": REPO_DATA / "gsm8k" / "train.jsonl"}
+    return {"seed_tasks": DATA_DIR / "self_instruct" / "seed_tasks.jsonl",
+            "gsm8k_train": DATA_DIR / "gsm8k" / "train.jsonl"}

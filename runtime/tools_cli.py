@@ -1,0 +1,170 @@
+"""The CLI's tool commands: plan (where a model would live), distill (train a draft), bench (JSON
+benchmarks). Parsers and handlers; cli.py wires them next to run/chat/batch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def add_tool_parsers(commands) -> None:
+    _add_plan_parser(commands)
+    _add_distill_parser(commands)
+    _add_bench_parsers(commands.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(
+        dest="bench", required=True))
+
+
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="show where each part of a model would live (config.json is enough)")
+    plan.add_argument("--target", default=None, help="model folder, config.json folder, .gguf or Hub id "
+                                                     "(default: embedded model)")
+    plan.add_argument("--draft", default=None, help="draft model folder (kept on the device) (default: none)")
+    plan.add_argument("--gpu-mem", default=None, help="device budget, e.g. 24GiB (default: free memory - margin)")
+    plan.add_argument("--ram", default=None, help="host budget, e.g. 64GiB (default: available RAM - margin)")
+    plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
+    plan.add_argument("--context", type=int, default=4096, help="context length, tokens (default: 4096)")
+    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default: bf16)")
+    plan.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    plan.add_argument("--ring", type=int, default=2, help="layer buffers in the prefetch ring (default: 2)")
+    plan.add_argument("--link-gbps", type=float, default=None,
+                      help="host->device GB/s for the prediction (default: measured now)")
+    plan.add_argument("--disk-gbps", type=float, default=None, help="disk GB/s for the prediction (default: measured now)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _add_distill_parser(commands) -> None:
+    distill = commands.add_parser("distill", help="train a draft model that shares the target's tokenizer")
+    distill.add_argument("--target", default=None, help="target model (default: embedded model)")
+    distill.add_argument("--out", type=Path, required=True, help="draft folder to write (training state inside)")
+    distill.add_argument("--kind", default="small", choices=["small", "early-exit"],
+                         help="small: new layers only; early-exit: the target's first layers frozen + new ones")
+    distill.add_argument("--layers", type=int, default=2, help="draft decoder layers (default: 2)")
+    distill.add_argument("--reuse-layers", type=int, default=0,
+                         help="early-exit: how many of --layers are frozen target layers (default: 0)")
+    distill.add_argument("--vocab-top", type=int, default=8192,
+                         help="draft output vocabulary: the K most frequent target tokens (default: 8192)")
+    distill.add_argument("--data", type=Path, nargs="*", default=[],
+                         help="extra training prompts (JSONL) or text/code files (default: none)")
+    distill.add_argument("--steps", type=int, default=3000, help="training steps (default: 3000)")
+    distill.add_argument("--resume", action="store_true", help="continue the run in --out (default: off)")
+    distill.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                         help="the target's dtype while collecting answers (default: auto)")
+
+
+def _add_bench_parsers(benches) -> None:
+    draft = benches.add_parser("draft", help="draft vs target: top-1 agreement, rank acceptance, cost per token")
+    draft.add_argument("--target", default=None, help="target (default: embedded model)")
+    draft.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
+    draft.add_argument("--prompts", type=Path, nargs="+", required=True,
+                       help='JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"')
+    draft.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: 256)")
+    draft.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    draft.add_argument("--json", action="store_true", help="print only JSON")
+    stream = benches.add_parser("stream", help="pass time vs raw tier bandwidth for several pass sizes")
+    stream.add_argument("--target", default=None, help="model (default: embedded model)")
+    stream.add_argument("--gpu-mem", required=True, help="device budget that forces streaming, e.g. 450MiB")
+    stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
+    stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
+    stream.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    stream.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="(default: auto)")
+    stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
+    stream.add_argument("--json", action="store_true", help="print only JSON")
+
+
+def cmd_plan(args, console) -> int:
+    from offload.plan_report import build_plan, measured_bandwidth
+    plan, bandwidth = build_plan(args), measured_bandwidth(args)
+    seconds = plan.predicted_transfer_seconds(bandwidth)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "bandwidth_gbps": {k: v / 1e9 for k, v in bandwidth.items()},
+                          "predicted_transfer_seconds_per_pass": round(seconds, 4)}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from offload.planner import format_bytes
+    console = Console()   # the plan is the command's output: stdout
+    table = Table(title=f"plan: {plan.request.config.family}, {plan.request.config.num_layers} layers, "
+                        f"{format_bytes(plan.request.layer_bytes)} per layer")
+    for column in ("component", "tier", "bytes"):
+        table.add_column(column)
+    for item in plan.items:
+        table.add_row(item.component, item.tier, format_bytes(item.num_bytes))
+    console.print(table, soft_wrap=True)
+    console.print(f"device {format_bytes(plan.bytes_in('device'))} of {format_bytes(plan.request.device_budget)}; "
+                  f"predicted transfer per pass {seconds:.3f} s (link {bandwidth['ram'] / 1e9:.1f} GB/s, "
+                  f"disk {bandwidth['disk'] / 1e9:.1f} GB/s)")
+    return 0
+
+
+def cmd_distill(args, console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from spec.distill import DistillConfig, distill
+    config = DistillConfig(args.target, args.out, args.kind, args.layers, args.reuse_layers, args.vocab_top,
+                           list(args.data), num_steps=args.steps, resume=args.resume, device=args.device,
+                           dtype=args.dtype)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("distill", total=None)
+
+        def on_progress(event: dict) -> None:
+            if event.get("phase") == "train":
+                text = f"train loss {event.get('loss', 0):.3f} agreement {event.get('agreement', 0):.3f}"
+                progress.update(task, description=text, completed=event["step"], total=event["num_steps"])
+            elif "done" in event:
+                progress.update(task, description=event["phase"], completed=event["done"], total=event["total"])
+
+        summary = distill(config, on_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def _bench_prompts(paths: list[Path], limit: int | None) -> list[list[dict[str, str]]]:
+    prompts = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            text = row.get("prompt") or (row.get("turns") or [None])[0] or row.get("question")
+            if not isinstance(text, str):
+                raise ValueError(f"{path} line {number}: no prompt, turns or question field")
+            prompts.append([{"role": "user", "content": text}])
+    return prompts[:limit]
+
+
+def _bench_draft(args, console) -> dict:
+    from offload import LoadOptions, load_model
+    from spec.distill import DraftBenchConfig, bench_draft, default_draft_for, load_draft
+    draft_path = args.draft or default_draft_for(args.target)
+    if draft_path is None:
+        raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")
+    prompts = _bench_prompts(args.prompts, args.limit)
+    target = load_model(LoadOptions(args.target))
+    draft = load_draft(LoadOptions(str(draft_path)), embed=target.model.embed)
+    return bench_draft(target, draft, prompts, DraftBenchConfig(max_new_tokens=args.max_new_tokens),
+                       on_progress=lambda e: console.print(f"[dim]{e['done']}/{e['total']} prompts, "
+                                                           f"top-1 agreement {e['top1_agreement']:.3f}[/dim]"))
+
+
+def cmd_bench(args, console) -> int:
+    from offload.planner import parse_bytes
+    if args.bench == "draft":
+        result = _bench_draft(args, console)
+    if args.bench == "stream":
+        from bench.stream import run_stream_bench
+        sizes = [int(x) for x in args.tokens.split(",") if x.strip()]
+        if not sizes or min(sizes) <= 0:
+            raise ValueError(f"--tokens needs positive pass sizes, got {args.tokens!r}")
+        result = run_stream_bench(args.target, parse_bytes(args.gpu_mem), args.tier, sizes, args.device,
+                                  args.dtype, args.repeats, on_status=lambda m: console.print(f"[dim]{m}[/dim]"))
+    if not args.json:
+        for row in result.get("passes", []):
+            console.print(f"{row['tokens']:>5} tokens: {row['pass_seconds']:.4f} s/pass, "
+                          f"efficiency {row['efficiency']:.2f}")
+    print(json.dumps(result))
+    return 0
+
+
+TOOL_COMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "distill": cmd_distill}
