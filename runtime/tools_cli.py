@@ -44,6 +44,8 @@ def _add_distill_parser(commands) -> None:
                          help="draft output vocabulary: the K most frequent target tokens (default: 8192)")
     distill.add_argument("--data", type=Path, nargs="*", default=[],
                          help="extra training prompts (JSONL) or text/code files (default: none)")
+    distill.add_argument("--template-prompts", type=int, default=8000,
+                         help="synthetic chat prompts answered by the target (default: 8000)")
     distill.add_argument("--steps", type=int, default=3000, help="training steps (default: 3000)")
     distill.add_argument("--resume", action="store_true", help="continue the run in --out (default: off)")
     distill.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
@@ -103,7 +105,7 @@ def cmd_distill(args, console) -> int:
     from spec.distill import DistillConfig, distill
     config = DistillConfig(args.target, args.out, args.kind, args.layers, args.reuse_layers, args.vocab_top,
                            list(args.data), num_steps=args.steps, resume=args.resume, device=args.device,
-                           dtype=args.dtype)
+                           dtype=args.dtype, num_template_prompts=args.template_prompts)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("distill", total=None)

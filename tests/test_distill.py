@@ -241,6 +241,9 @@ def test_distill_end_to_end_and_resume(target, tmp_path):
     summary = distill(config, events.append)
     assert summary["steps"] == 3 and is_draft_folder(config.out_dir)
     assert {"self_prompts", "generate", "train"} <= {e["phase"] for e in events}
+    sources = {seq.source for seq in load_corpus(config.work_dir / "corpus")}
+    assert {"seed_tasks", "self_written", "gsm8k_train"} <= sources
+    assert any(source.startswith("template_") for source in sources)
     with pytest.raises(ValueError, match="--resume"):
         distill(config)
     config.resume, config.num_steps = True, 5

@@ -47,7 +47,7 @@ class DistillConfig:
     learning_rate: float = 2e-3
     resume: bool = False
     num_self_prompts: int = 2480            # prompts the target writes itself
-    num_template_prompts: int = 4000        # synthetic chat prompts (spec/distill/templates.py)
+    num_template_prompts: int = 8000        # synthetic chat prompts (spec/distill/templates.py)
     max_gsm8k_prompts: int = 1000
     max_prompts: int | None = None          # cap on all prompts answered greedily (None: every one)
     num_sampled_prompts: int = 600          # prompts also answered with sampling (temperature 0.8)
@@ -67,6 +67,8 @@ class DistillConfig:
                              f"got {self.num_frozen}")
         if self.kind == "small" and self.num_frozen:
             raise ValueError("--reuse-layers needs --kind early-exit")
+        if min(self.num_template_prompts, self.num_self_prompts, self.num_sampled_prompts) < 0:
+            raise ValueError("prompt counts must be >= 0")
         if self.num_layers <= 0 or self.vocab_top < 16:
             raise ValueError(f"layers must be > 0 and vocab-top >= 16, got {self.num_layers}, {self.vocab_top}")
         for path in self.data:
