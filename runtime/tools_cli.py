@@ -37,11 +37,11 @@ def _add_distill_parser(commands) -> None:
     distill.add_argument("--out", type=Path, required=True, help="draft folder to write (training state inside)")
     distill.add_argument("--kind", default="small", choices=["small", "early-exit"],
                          help="small: new layers only; early-exit: the target's first layers frozen + new ones")
-    distill.add_argument("--layers", type=int, default=2, help="draft decoder layers (default: 2)")
+    distill.add_argument("--layers", type=int, default=3, help="draft decoder layers (default: 3)")
     distill.add_argument("--reuse-layers", type=int, default=0,
                          help="early-exit: how many of --layers are frozen target layers (default: 0)")
-    distill.add_argument("--vocab-top", type=int, default=8192,
-                         help="draft output vocabulary: the K most frequent target tokens (default: 8192)")
+    distill.add_argument("--vocab-top", type=int, default=4096,
+                         help="draft output vocabulary: the K most frequent target tokens (default: 4096)")
     distill.add_argument("--data", type=Path, nargs="*", default=[],
                          help="extra training prompts (JSONL) or text/code files (default: none)")
     distill.add_argument("--template-prompts", type=int, default=8000,
