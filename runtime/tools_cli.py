@@ -48,6 +48,9 @@ def _add_distill_parser(commands) -> None:
                          help="synthetic chat prompts answered by the target (default: 8000)")
     distill.add_argument("--steps", type=int, default=3000, help="training steps (default: 3000)")
     distill.add_argument("--resume", action="store_true", help="continue the run in --out (default: off)")
+    distill.add_argument("--revocab", action="store_true",
+                         help="with --resume: re-choose the output vocabulary on the grown corpus, keeping "
+                              "trained rows (default: off)")
     distill.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
     distill.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                          help="the target's dtype while collecting answers (default: auto)")
@@ -61,6 +64,8 @@ def _add_bench_parsers(benches) -> None:
                        help='JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"')
     draft.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: 256)")
     draft.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    draft.add_argument("--answers-cache", type=Path, default=None,
+                       help="JSONL file keeping the target's answers, reused by later runs (default: none)")
     draft.add_argument("--json", action="store_true", help="print only JSON")
     stream = benches.add_parser("stream", help="pass time vs raw tier bandwidth for several pass sizes")
     stream.add_argument("--target", default=None, help="model (default: embedded model)")
@@ -104,8 +109,8 @@ def cmd_distill(args, console) -> int:
 
     from spec.distill import DistillConfig, distill
     config = DistillConfig(args.target, args.out, args.kind, args.layers, args.reuse_layers, args.vocab_top,
-                           list(args.data), num_steps=args.steps, resume=args.resume, device=args.device,
-                           dtype=args.dtype, num_template_prompts=args.template_prompts)
+                           list(args.data), num_steps=args.steps, resume=args.resume, revocab=args.revocab,
+                           device=args.device, dtype=args.dtype, num_template_prompts=args.template_prompts)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("distill", total=None)
@@ -138,16 +143,17 @@ def _bench_prompts(paths: list[Path], limit: int | None) -> list[list[dict[str, 
 
 def _bench_draft(args, console) -> dict:
     from offload import LoadOptions, load_model
-    from spec.distill import DraftBenchConfig, bench_draft, default_draft_for, load_draft
+    from spec.distill import AnswerCache, DraftBenchConfig, bench_draft, default_draft_for, load_draft
     draft_path = args.draft or default_draft_for(args.target)
     if draft_path is None:
         raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")
     prompts = _bench_prompts(args.prompts, args.limit)
     target = load_model(LoadOptions(args.target))
     draft = load_draft(LoadOptions(str(draft_path)), embed=target.model.embed)
-    return bench_draft(target, draft, prompts, DraftBenchConfig(max_new_tokens=args.max_new_tokens),
-                       on_progress=lambda e: console.print(f"[dim]{e['done']}/{e['total']} prompts, "
-                                                           f"top-1 agreement {e['top1_agreement']:.3f}[/dim]"))
+    config = DraftBenchConfig(max_new_tokens=args.max_new_tokens)
+    cache = AnswerCache(args.answers_cache, target.path, config.max_new_tokens)
+    return bench_draft(target, draft, prompts, config, cache=cache,
+                       on_progress=lambda e: console.print(f"[dim]target answers: {e['done']}/{e['total']}[/dim]"))
 
 
 def cmd_bench(args, console) -> int:

@@ -3,6 +3,7 @@ bench_draft, on tiny random targets with a tiny word-level tokenizer (nothing is
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from offload import LoadOptions, load_model
 from spec import DecodeConfig, Decoder, SamplingConfig
-from spec.distill import (DraftBenchConfig, bench_draft, check_tokenizers_match, is_draft_folder, load_draft,
+from spec.distill import (AnswerCache, DraftBenchConfig, bench_draft, check_tokenizers_match, is_draft_folder, load_draft,
                           load_draft_module)
 from spec.distill.bench import expected_speedup, rank_counts
 from spec.distill.corpus import append_shard, load_corpus
@@ -184,6 +185,31 @@ def test_resume_continues_from_checkpoint(target, corpus, tmp_path):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_revocab_keeps_trained_rows_and_starts_new_ones_from_the_target(target, corpus, tmp_path):
+    from spec.distill.revocab import revocab_checkpoint
+    config = TrainConfig(num_steps=3, batch_tokens=256, learning_rate=3e-3, warmup_steps=1, eval_every=1000,
+                         use_bf16=False, checkpoint_seconds=1e9)
+    old, _ = _draft(target, vocab_top=64)                               # rows: target ids 0..63
+    trainer = Trainer(old, corpus[:20], corpus[20:], config, tmp_path)
+    trainer.run()
+    new_map = torch.cat([old.vocab_map[:40], torch.arange(100, 124)])   # 40 kept, 24 new
+    source = CheckpointSource(target.path, target.config)
+    new = draft_from_target(source, "small", 1, 0, new_map)
+    assert revocab_checkpoint(trainer.checkpoint_path, new, old.vocab_map, new_map) == 40
+    payload = torch.load(trainer.checkpoint_path, weights_only=False)
+    head, bias = payload["model"]["head"], payload["model"]["head_bias"]
+    assert torch.equal(head[:40], old.head.detach()[:40]) and torch.equal(bias[:40], old.head_bias.detach()[:40])
+    assert torch.equal(head[40:], new.head.detach()[40:])              # the target's rows, untrained
+    assert not torch.equal(old.head.detach()[:40], new.head.detach()[:40])  # training had moved the kept rows
+    head_index = next(i for i, p in enumerate(new.trainable_parameters()) if p is new.head)
+    moments = payload["optimizer"]["state"][head_index]["exp_avg"]
+    assert moments[40:].abs().sum() == 0 and moments[:40].abs().sum() > 0
+    assert revocab_checkpoint(trainer.checkpoint_path, new, old.vocab_map, new_map) == 64   # already done
+    resumed = Trainer(new, corpus[:20], corpus[20:], replace(config, num_steps=5), tmp_path)
+    assert resumed.load_checkpoint() and torch.equal(new.head.detach()[:40], old.head.detach()[:40])
+    assert resumed.run().step == 5
+
+
 def test_tokenizer_mismatch_is_refused(target, tmp_path):
     model, source = _draft(target)
     folder = _save(target, model, tmp_path / "d", source)
@@ -222,6 +248,29 @@ def test_bench_draft_agreement(target, tmp_path):
     assert 0 <= report["top1_agreement"] <= report["topk_coverage"]["8"] <= report["vocab_coverage"] <= 1
 
 
+def test_bench_answers_cache_is_reused_only_for_the_same_target_and_length(target, tmp_path, monkeypatch):
+    import spec.distill.bench as bench_module
+    prompts = [[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}] for ids in _prompts(3, 4)]
+    config = DraftBenchConfig(max_new_tokens=8, batch_size=2, num_cost_steps=2, num_cost_repeats=1)
+    model, source = _draft(target, vocab_top=64)
+    draft = load_draft(LoadOptions(str(_save(target, model, tmp_path / "d", source)), device="cpu", dtype="fp32"))
+    path = tmp_path / "answers.jsonl"
+    first = bench_draft(target, draft, prompts, config, cache=AnswerCache(path, target.path, 8))
+    assert len(path.read_text().splitlines()) == 3
+    generate = bench_module.generate_batch
+    monkeypatch.setattr(bench_module, "generate_batch", lambda *a, **k: pytest.fail("cached answers regenerated"))
+    second = bench_draft(target, draft, prompts, config, cache=AnswerCache(path, target.path, 8))
+    assert second["top1_agreement"] == first["top1_agreement"]
+    assert second["rank_acceptance"] == first["rank_acceptance"]
+    monkeypatch.setattr(bench_module, "generate_batch", generate)
+    shorter = DraftBenchConfig(max_new_tokens=4, batch_size=2, num_cost_steps=2, num_cost_repeats=1)
+    bench_draft(target, draft, prompts, shorter, cache=AnswerCache(path, target.path, 4))
+    assert len(path.read_text().splitlines()) == 6                 # another length: answered again
+    path.write_text('{"not": "a record"}\n')
+    with pytest.raises(ValueError, match="line 1: not an answer-cache record"):
+        AnswerCache(path, target.path, 8)
+
+
 def test_evaluation_files_are_refused(tmp_path):
     path = tmp_path / "prompts" / "chat.jsonl"
     path.parent.mkdir()
@@ -248,6 +297,10 @@ def test_distill_end_to_end_and_resume(target, tmp_path):
         distill(config)
     config.resume, config.num_steps = True, 5
     assert distill(config)["steps"] == 5
+    config.revocab, config.num_steps = True, 6          # same corpus: the same vocabulary comes back
+    assert distill(config)["steps"] == 6
+    with pytest.raises(ValueError, match="add --resume"):
+        DistillConfig(str(target.path), tmp_path / "other", resume=False, revocab=True)
     draft = load_draft(LoadOptions(str(config.out_dir), device="cpu", dtype="fp32"))
     check_tokenizers_match(target.path, draft.path)
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from offload import LoadedModel
+from .answer_cache import AnswerCache
 from .compat import check_tokenizers_match
 from .draft_model import out_of_set_rows
 from .generate import GenerationConfig, generate_batch
@@ -93,27 +94,41 @@ def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], co
             "cost_ratio": draft_s / target_s}
 
 
+def target_answers(target: LoadedModel, encoded: list[list[int]], config: DraftBenchConfig, cache: AnswerCache,
+                   on_progress: Callable[[dict], None] | None = None) -> list[list[int]]:
+    """The target's greedy answer ids for each encoded prompt: from `cache` where present, else generated in
+    batches (and added to the cache)."""
+    missing = [ids for ids in encoded if cache.get(ids) is None]
+    generation = GenerationConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
+    for start in range(0, len(missing), config.batch_size):
+        batch = missing[start:start + config.batch_size]
+        for prompt_ids, seq in zip(batch, generate_batch(target.model, batch, target.stop_ids, generation)):
+            cache.put(prompt_ids, seq.answer_ids)
+        if on_progress:
+            on_progress({"phase": "answers", "done": min(start + config.batch_size, len(missing)),
+                         "total": len(missing)})
+    return [cache.get(ids) for ids in encoded]
+
+
 def bench_draft(target: LoadedModel, draft: LoadedModel, prompts: list[list[dict[str, str]]],
-                config: DraftBenchConfig, on_progress: Callable[[dict], None] | None = None) -> dict:
-    """prompts: chat message lists. Returns the JSON report (see module docstring)."""
+                config: DraftBenchConfig, on_progress: Callable[[dict], None] | None = None,
+                cache: AnswerCache | None = None) -> dict:
+    """prompts: chat message lists. Returns the JSON report (see module docstring). `cache` keeps the
+    target's answers between runs (default: none kept)."""
     check_tokenizers_match(target.path, draft.path)
     encoded = [target.tokenizer.encode_chat(m) for m in prompts]
+    cache = cache or AnswerCache(None, target.path, config.max_new_tokens)
+    answers = target_answers(target, encoded, config, cache, on_progress)
     vocab_map = getattr(draft.model, "vocab_map", torch.arange(draft.config.vocab_size))
     row_of = out_of_set_rows(vocab_map.cpu(), target.config.vocab_size)
-    generation = GenerationConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
     counts = torch.zeros(MAX_RANK, dtype=torch.long)
     num_positions = num_in_set = 0
-    for start in range(0, len(encoded), config.batch_size):
-        batch = encoded[start:start + config.batch_size]
-        for seq in generate_batch(target.model, batch, target.stop_ids, generation):
-            answer = torch.tensor(seq.answer_ids)
-            logits = _draft_logits(draft, seq.token_ids)[seq.num_prompt_tokens - 1:-1]     # [A, K]
-            counts += rank_counts(logits, answer, row_of)
-            num_positions += answer.numel()
-            num_in_set += int((row_of[answer] >= 0).sum())
-        if on_progress:
-            on_progress({"phase": "bench", "done": min(start + config.batch_size, len(encoded)),
-                         "total": len(encoded), "top1_agreement": int(counts[0]) / max(num_positions, 1)})
+    for prompt_ids, answer_ids in zip(encoded, answers):
+        answer = torch.tensor(answer_ids, dtype=torch.long)
+        logits = _draft_logits(draft, prompt_ids + answer_ids)[len(prompt_ids) - 1:-1]     # [A, K]
+        counts += rank_counts(logits, answer, row_of)
+        num_positions += answer.numel()
+        num_in_set += int((row_of[answer] >= 0).sum())
     report = _report(counts, num_positions, num_in_set, len(encoded))
     report.update(measure_costs(target, draft, encoded[0], config))
     report["estimated_speedup"], report["best_chain_length"] = expected_speedup(

@@ -26,7 +26,8 @@ from .prompts import (TrainingPrompt, default_prompt_files, interleave, prompts_
                       seed_task_prompts)
 from .templates import extraction_passages, template_prompts
 from .text import collect_text
-from .train import TrainConfig, Trainer
+from .revocab import revocab_checkpoint
+from .train import CHECKPOINT_NAME, TrainConfig, Trainer
 
 ProgressCallback = Callable[[dict], None]
 VOCAB_FILE = "vocab_map.pt"
@@ -46,6 +47,7 @@ class DistillConfig:
     batch_tokens: int = 4096
     learning_rate: float = 2e-3
     resume: bool = False
+    revocab: bool = False                   # on resume: re-choose the vocabulary on the grown corpus
     num_self_prompts: int = 2480            # prompts the target writes itself
     num_template_prompts: int = 8000        # synthetic chat prompts (spec/distill/templates.py)
     max_gsm8k_prompts: int = 1000
@@ -69,6 +71,8 @@ class DistillConfig:
             raise ValueError("--reuse-layers needs --kind early-exit")
         if min(self.num_template_prompts, self.num_self_prompts, self.num_sampled_prompts) < 0:
             raise ValueError("prompt counts must be >= 0")
+        if self.revocab and not self.resume:
+            raise ValueError("--revocab re-chooses the vocabulary of a run being resumed: add --resume")
         if self.num_layers <= 0 or self.vocab_top < 16:
             raise ValueError(f"layers must be > 0 and vocab-top >= 16, got {self.num_layers}, {self.vocab_top}")
         for path in self.data:
@@ -119,13 +123,17 @@ def template_prefix_length(target: LoadedModel) -> int:
     return next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), 0)
 
 
-def _vocab_map(config: DistillConfig, target: LoadedModel, sequences) -> torch.Tensor:
+def _vocab_map(config: DistillConfig, target: LoadedModel, sequences) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(vocabulary to train, the previous one when --revocab replaces it, else None)."""
     path = config.work_dir / VOCAB_FILE
-    if path.exists():
-        return torch.load(path)
-    vocab_map = choose_vocab(token_counts(sequences, target.config.vocab_size), config.vocab_top, target.stop_ids)
-    torch.save(vocab_map, path)
-    return vocab_map
+    old_map = torch.load(path) if path.exists() else None
+    if old_map is not None and not config.revocab:
+        return old_map, None
+    top = old_map.numel() if old_map is not None else config.vocab_top
+    vocab_map = choose_vocab(token_counts(sequences, target.config.vocab_size), top, target.stop_ids)
+    if old_map is None:
+        torch.save(vocab_map, path)
+    return vocab_map, old_map
 
 
 def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) -> tuple[Trainer, DraftInfo]:
@@ -133,9 +141,14 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
     train = [s for s in sequences if not is_validation(s.prompt_id)]
     validation = [s for s in sequences if is_validation(s.prompt_id) and s.source != "text"]
     config.work_dir.mkdir(parents=True, exist_ok=True)
-    vocab_map = _vocab_map(config, target, sequences)
+    vocab_map, old_map = _vocab_map(config, target, sequences)
     source = CheckpointSource(target.path, target.config)
     model = draft_from_target(source, config.kind, config.num_layers, config.num_frozen, vocab_map)
+    checkpoint = config.work_dir / CHECKPOINT_NAME
+    if old_map is not None:
+        if checkpoint.exists():
+            revocab_checkpoint(checkpoint, model, old_map, vocab_map)
+        torch.save(vocab_map, config.work_dir / VOCAB_FILE)
     model.to(target.model.device)       # trains where the target runs (weights stay float32)
     info = DraftInfo(config.kind, config.num_frozen, vocab_map.numel(), "default" if config.target in (None, "default")
                      else str(Path(config.target).resolve() if Path(config.target).exists() else config.target),
