@@ -26,7 +26,7 @@ def _slots(template: str) -> set[str]:
 
 def _fill(template: str, table: dict, passages: list[str], rng: random.Random) -> str:
     values: dict[str, str] = {}
-    for slot in _slots(template):
+    for slot in sorted(_slots(template)):      # sorted: set order varies with PYTHONHASHSEED
         if slot == "passage":
             values[slot] = rng.choice(passages)
         elif slot == "n":
