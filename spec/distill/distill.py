@@ -171,7 +171,7 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
 
 def distill(config: DistillConfig, on_progress: ProgressCallback | None = None) -> dict:
     """Builds (or continues building, with config.resume) a draft for config.target in config.out_dir."""
-    checkpoint = config.work_dir / "checkpoint.pt"
+    checkpoint = config.work_dir / CHECKPOINT_NAME
     if checkpoint.exists() and not config.resume:
         raise ValueError(f"{config.out_dir} already holds a training run; pass --resume to continue it "
                          f"or choose another --out")

@@ -7,13 +7,13 @@ its vocabulary, so a run stopped between the two writes finishes the change on t
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .draft_model import DraftModel, out_of_set_rows
+from .train import write_checkpoint
 
 
 def _remap_rows(old: Tensor, rows: Tensor, fresh: Tensor) -> Tensor:
@@ -43,7 +43,5 @@ def revocab_checkpoint(checkpoint_path: Path, model: DraftModel, old_map: Tensor
             if state is not None and key in state:
                 state[key] = _remap_rows(state[key], rows, torch.zeros_like(param.detach().cpu()))
     payload["vocab_map"] = new_map.cpu()
-    tmp = Path(checkpoint_path).with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, checkpoint_path)
+    write_checkpoint(payload, checkpoint_path)
     return int((rows >= 0).sum())

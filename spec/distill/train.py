@@ -50,6 +50,13 @@ class TrainState:
     history: list[dict] = field(default_factory=list)   # evaluations
 
 
+def write_checkpoint(payload: dict, path: Path) -> None:
+    """torch.save, atomically: a stop mid-write leaves the previous checkpoint in place."""
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
 def learning_rate(config: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to min_learning_rate_ratio x the peak."""
     if step < config.warmup_steps:
@@ -137,9 +144,7 @@ class Trainer:
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                    "state": asdict(self.state), "config": asdict(self.config)}
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, self.checkpoint_path)
+        write_checkpoint(payload, self.checkpoint_path)
         if self.on_checkpoint:
             self.on_checkpoint(self.model, self.state)
 
