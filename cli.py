@@ -7,9 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-# The layer loader thread shares the cores with compute: idle OpenMP workers must sleep, not spin
-# (spinning slowed streamed passes 10x on a busy 2-core machine). Set before torch starts its pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP workers spin briefly, then sleep (set before torch starts its pool; a user's own
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins). A decode step is hundreds of small ops back to back: sleeping
+# at once (PASSIVE) made a batch-1 draft step 1.6x slower; unbounded spinning starves the layer loader
+# thread and neighbours on an oversubscribed machine (10-25x slower there).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 DEFAULT_MAX_NEW_TOKENS = 256
 EXIT_USER_ERROR, EXIT_SKIPPED = 2, 3

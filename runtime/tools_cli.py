@@ -143,6 +143,7 @@ def _bench_prompts(paths: list[Path], limit: int | None) -> list[list[dict[str, 
 
 def _bench_draft(args, console) -> dict:
     from offload import LoadOptions, load_model
+    from offload.devices import dtype_name
     from spec.distill import AnswerCache, DraftBenchConfig, bench_draft, default_draft_for, load_draft
     draft_path = args.draft or default_draft_for(args.target)
     if draft_path is None:
@@ -150,9 +151,13 @@ def _bench_draft(args, console) -> dict:
     prompts = _bench_prompts(args.prompts, args.limit)
     target = load_model(LoadOptions(args.target))
     draft = load_draft(LoadOptions(str(draft_path)), embed=target.model.embed)
+    same_dtype = None
+    if draft.model.dtype != target.model.dtype:
+        same_dtype = load_draft(LoadOptions(str(draft_path), dtype=dtype_name(target.model.dtype)),
+                                embed=target.model.embed)
     config = DraftBenchConfig(max_new_tokens=args.max_new_tokens)
     cache = AnswerCache(args.answers_cache, target.path, config.max_new_tokens)
-    return bench_draft(target, draft, prompts, config, cache=cache,
+    return bench_draft(target, draft, prompts, config, cache=cache, draft_at_target_dtype=same_dtype,
                        on_progress=lambda e: console.print(f"[dim]target answers: {e['done']}/{e['total']}[/dim]"))
 
 

@@ -248,6 +248,23 @@ def test_bench_draft_agreement(target, tmp_path):
     assert 0 <= report["top1_agreement"] <= report["topk_coverage"]["8"] <= report["vocab_coverage"] <= 1
 
 
+def test_draft_in_bf16_matches_fp32_and_bench_reports_both_costs(target, tmp_path):
+    model, source = _draft(target, vocab_top=64)
+    folder = str(_save(target, model, tmp_path / "d", source))
+    fp32 = load_draft(LoadOptions(folder, device="cpu", dtype="fp32"))
+    bf16 = load_draft(LoadOptions(folder, device="cpu", dtype="bf16"))
+    assert bf16.model.dtype == torch.bfloat16 and bf16.model.new_cache(4).keys.dtype == torch.bfloat16
+    tokens = torch.tensor([_prompts(1)[0]])
+    exact = fp32.model.forward_trimmed(tokens, fp32.model.new_cache(32)).logits
+    approx = bf16.model.forward_trimmed(tokens, bf16.model.new_cache(32)).logits
+    assert approx.dtype == torch.float32 and (approx - exact).abs().max() < 0.05 * exact.abs().max()
+    prompts = [[{"role": "user", "content": "w1 w2 w3"}]]
+    config = DraftBenchConfig(max_new_tokens=4, batch_size=1, num_cost_steps=2, num_cost_repeats=1)
+    report = bench_draft(target, bf16, prompts, config, draft_at_target_dtype=fp32)
+    assert report["draft_dtype"] == "bf16" and report["target_dtype"] == "fp32"
+    assert report["cost_ratio"] > 0 and report["cost_ratio_at_target_dtype"] > 0
+
+
 def test_bench_answers_cache_is_reused_only_for_the_same_target_and_length(target, tmp_path, monkeypatch):
     import spec.distill.bench as bench_module
     prompts = [[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}] for ids in _prompts(3, 4)]

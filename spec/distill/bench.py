@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from offload import LoadedModel
+from offload.devices import dtype_name
 from .answer_cache import AnswerCache
 from .compat import check_tokenizers_match
 from .draft_model import out_of_set_rows
@@ -82,16 +83,27 @@ def _step_seconds(model, prompt: list[int], num_steps: int) -> float:
     return (time.perf_counter() - start) / num_steps
 
 
-def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], config: DraftBenchConfig) -> dict:
-    """Median seconds per token of draft and target, measured alternately (one warm-up each)."""
-    _step_seconds(target.model, prompt, 2), _step_seconds(draft.model, prompt, 2)
-    target_times, draft_times = [], []
+def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], config: DraftBenchConfig,
+                  draft_at_target_dtype: LoadedModel | None = None) -> dict:
+    """Median seconds per token of draft and target, measured alternately (one warm-up each). When the
+    draft runs in another dtype than the target, `draft_at_target_dtype` (the same draft in the target's
+    dtype) is timed in the same loop, so the report shows what the dtype alone buys."""
+    models = {"target": target, "draft": draft}
+    if draft_at_target_dtype is not None:
+        models["draft_at_target_dtype"] = draft_at_target_dtype
+    for loaded in models.values():
+        _step_seconds(loaded.model, prompt, 2)
+    times = {name: [] for name in models}
     for _ in range(config.num_cost_repeats):
-        target_times.append(_step_seconds(target.model, prompt, config.num_cost_steps))
-        draft_times.append(_step_seconds(draft.model, prompt, config.num_cost_steps))
-    target_s, draft_s = statistics.median(target_times), statistics.median(draft_times)
-    return {"target_seconds_per_token": target_s, "draft_seconds_per_token": draft_s,
-            "cost_ratio": draft_s / target_s}
+        for name, loaded in models.items():
+            times[name].append(_step_seconds(loaded.model, prompt, config.num_cost_steps))
+    seconds = {name: statistics.median(values) for name, values in times.items()}
+    report = {"target_seconds_per_token": seconds["target"], "draft_seconds_per_token": seconds["draft"],
+              "cost_ratio": seconds["draft"] / seconds["target"],
+              "target_dtype": dtype_name(target.model.dtype), "draft_dtype": dtype_name(draft.model.dtype)}
+    if draft_at_target_dtype is not None:
+        report["cost_ratio_at_target_dtype"] = seconds["draft_at_target_dtype"] / seconds["target"]
+    return report
 
 
 def target_answers(target: LoadedModel, encoded: list[list[int]], config: DraftBenchConfig, cache: AnswerCache,
@@ -112,9 +124,9 @@ def target_answers(target: LoadedModel, encoded: list[list[int]], config: DraftB
 
 def bench_draft(target: LoadedModel, draft: LoadedModel, prompts: list[list[dict[str, str]]],
                 config: DraftBenchConfig, on_progress: Callable[[dict], None] | None = None,
-                cache: AnswerCache | None = None) -> dict:
+                cache: AnswerCache | None = None, draft_at_target_dtype: LoadedModel | None = None) -> dict:
     """prompts: chat message lists. Returns the JSON report (see module docstring). `cache` keeps the
-    target's answers between runs (default: none kept)."""
+    target's answers between runs (default: none kept); `draft_at_target_dtype`: see measure_costs."""
     check_tokenizers_match(target.path, draft.path)
     encoded = [target.tokenizer.encode_chat(m) for m in prompts]
     cache = cache or AnswerCache(None, target.path, config.max_new_tokens)
@@ -130,7 +142,7 @@ def bench_draft(target: LoadedModel, draft: LoadedModel, prompts: list[list[dict
         num_positions += answer.numel()
         num_in_set += int((row_of[answer] >= 0).sum())
     report = _report(counts, num_positions, num_in_set, len(encoded))
-    report.update(measure_costs(target, draft, encoded[0], config))
+    report.update(measure_costs(target, draft, encoded[0], config, draft_at_target_dtype))
     report["estimated_speedup"], report["best_chain_length"] = expected_speedup(
         report["top1_agreement"], report["cost_ratio"], config.max_chain)
     return report

@@ -14,7 +14,7 @@ from torch import Tensor
 from offload import DecoderModel, ForwardOutput, KVCache, LoadedModel, LoadOptions, Tokenizer
 from offload.budgets import default_device_budget
 from offload.config import ModelConfig
-from offload.devices import choose_device, choose_dtype
+from offload.devices import choose_device, choose_draft_dtype
 from offload.loader import stop_token_ids
 from offload.packing import LayerLayout
 from offload.planner import PlanRequest, make_plan
@@ -49,13 +49,13 @@ class DraftDecoderModel(DecoderModel):
 
 def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None,
                target_folder: str | Path | None = None) -> LoadedModel:
-    """Loads the draft folder `options.model` like load_model loads a model. The token embedding is
-    `embed` when given (the running target's, shared), else read from the draft's target."""
+    """Loads the draft folder `options.model` like load_model loads a model, in choose_draft_dtype's dtype.
+    The token embedding is `embed` when given (the running target's), else read from the draft's target."""
     folder = Path(options.model).expanduser()
     info = read_draft_info(folder)
     config = ModelConfig.from_file(folder)
     device = choose_device(options.device)
-    dtype = choose_dtype(options.dtype, device)
+    dtype = choose_draft_dtype(options.dtype, device)
     layer_tensors, stored = read_draft_tensors(folder, config)
     if embed is None:
         if on_status:

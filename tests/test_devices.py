@@ -1,0 +1,29 @@
+"""Device and dtype choice: explicit names pass through; a draft's auto dtype follows the measured probe."""
+import math
+
+import pytest
+import torch
+
+import offload.devices as devices
+
+
+def test_explicit_dtypes_pass_through_and_names_round_trip():
+    cpu = torch.device("cpu")
+    for name, dtype in devices.DTYPES.items():
+        assert devices.choose_dtype(name, cpu) == devices.choose_draft_dtype(name, cpu) == dtype
+        assert devices.dtype_name(dtype) == name
+    assert devices.choose_dtype("auto", cpu) == torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        devices.choose_draft_dtype("int4", cpu)
+
+
+@pytest.mark.parametrize("speedup, expected", [(2.3, torch.bfloat16), (1.05, torch.float32), (0.4, torch.float32)])
+def test_draft_auto_dtype_on_cpu_follows_the_bf16_probe(monkeypatch, speedup, expected):
+    monkeypatch.setattr(devices, "cpu_bf16_speedup", lambda: speedup)
+    assert devices.choose_draft_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_bf16_probe_measures_a_positive_ratio_once():
+    ratio = devices.cpu_bf16_speedup()
+    assert math.isfinite(ratio) and ratio > 0
+    assert devices.cpu_bf16_speedup() == ratio                     # cached: measured once per process
