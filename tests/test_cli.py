@@ -42,12 +42,24 @@ def test_run_streams_text_and_raw_mode_skips_template():
     (["run", "hi", "--temperature", "-1"], "temperature"),
     (["run", "hi", "--top-p", "0"], "top-p"),
     (["batch", "/no/such/file.jsonl", "-o", "/tmp/x.jsonl"], "batch input not found"),
+    (["bench", "stream", "--gpu-mem", "64GiB", "--tokens", "1"], "leaves no decoder layer on the ram tier"),
 ])
 def test_user_errors_are_one_line_without_traceback(args, fragment):
     result = cli(*args)
     assert result.returncode == 2
     assert fragment in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bench_stream_compares_passes_with_the_tier_bandwidth():
+    result = cli("bench", "stream", "--gpu-mem", "300MiB", "--tokens", "1,4", "--repeats", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["layers"]["ram"] > 0 and [row["tokens"] for row in report["passes"]] == [1, 4]
+    for row in report["passes"]:
+        assert row["bytes_streamed"] == report["layers"]["ram"] * report["layer_bytes"]
+        assert row["raw_gbps"] > 0 and 0 < row["efficiency"] == pytest.approx(
+            row["bytes_streamed"] / (row["raw_gbps"] * 1e9) / row["pass_seconds"], rel=0.01)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
