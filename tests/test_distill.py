@@ -258,6 +258,9 @@ def test_draft_in_bf16_matches_fp32_and_bench_reports_both_costs(target, tmp_pat
     exact = fp32.model.forward_trimmed(tokens, fp32.model.new_cache(32)).logits
     approx = bf16.model.forward_trimmed(tokens, bf16.model.new_cache(32)).logits
     assert approx.dtype == torch.float32 and (approx - exact).abs().max() < 0.05 * exact.abs().max()
+    shared = load_draft(LoadOptions(folder, device="cpu", dtype="bf16"), embed=fp32.model.embed)
+    assert shared.model.embed is fp32.model.embed                   # the target's table, not a bf16 copy
+    assert torch.equal(shared.model.forward_trimmed(tokens, shared.model.new_cache(32)).logits, approx)
     prompts = [[{"role": "user", "content": "w1 w2 w3"}]]
     config = DraftBenchConfig(max_new_tokens=4, batch_size=1, num_cost_steps=2, num_cost_repeats=1)
     report = bench_draft(target, bf16, prompts, config, draft_at_target_dtype=fp32)

@@ -61,7 +61,10 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
         if on_status:
             on_status(f"draft {folder.name}: reading the token embedding of its target ({info.target})")
         embed = target_embedding(info, folder, target_folder)
-    globals_ = to_device({"embed": embed, "norm": stored["norm"], "lm_head": stored["lm_head"]}, device, dtype)
+    # Looked-up embedding rows are cast to the compute dtype, so the table stays in its own dtype: a
+    # running target's is shared, not copied.
+    globals_ = {"embed": embed.to(device), **to_device({"norm": stored["norm"], "lm_head": stored["lm_head"]},
+                                                       device, dtype)}
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
     layout = LayerLayout.from_tensors(layer_tensors[0], dtype)
     plan = make_plan(PlanRequest(
