@@ -21,12 +21,11 @@ def run_stream_bench(target: str | None, gpu_mem: int, tier: str, pass_tokens: l
     options = LoadOptions(target, device, dtype, gpu_mem=gpu_mem, ram=1 if tier == "disk" else None,
                           max_context=max_tokens + 1, max_pass_tokens=max_tokens, disk_cold=tier == "disk")
     loaded = load_model(options, on_status)
-    if tier not in loaded.plan.tier_of:
-        loaded.layers.close()
-        raise ValueError(f"--gpu-mem {gpu_mem / 2**20:.0f} MiB leaves no decoder layer on the {tier} tier "
-                         f"(the plan keeps all {len(loaded.plan.tier_of)} on the device at {max_tokens} tokens "
-                         "per pass): lower --gpu-mem")
     try:
+        if tier not in loaded.plan.tier_of:
+            raise ValueError(f"--gpu-mem {gpu_mem / 2**20:.0f} MiB leaves no decoder layer on the {tier} tier "
+                             f"(the plan keeps all {len(loaded.plan.tier_of)} on the device at {max_tokens} "
+                             "tokens per pass): lower --gpu-mem")
         rows = [_measure(loaded, tier, n, repeats) for n in pass_tokens]
     finally:
         loaded.layers.close()

@@ -7,6 +7,7 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 DEVICE_NAMES = ("auto", "cpu", "cuda")
 
 
@@ -41,7 +42,7 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The CLI name of a dtype: torch.bfloat16 -> "bf16"."""
-    return next(name for name, value in DTYPES.items() if value == dtype)
+    return _DTYPE_NAMES[dtype]
 
 
 def choose_draft_dtype(name: str, device: torch.device) -> torch.dtype:
