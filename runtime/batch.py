@@ -1,8 +1,10 @@
 """Resumable batch runs over JSONL.
 
-Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `body.messages`,
+Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `url`, `body.messages`,
 `body.max_tokens`, `body.temperature`, `body.top_p`). Output: one OpenAI batch-output line per
-input, flushed and fsynced as it completes; a rerun skips ids already in the output.
+input, flushed and fsynced as it completes; a rerun skips ids already in the output. A request for
+an endpoint we do not serve (`url` other than /v1/chat/completions) gets an error line, as OpenAI's
+and vLLM's batch runners write, so the output accounts for every request.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 
 from spec import SamplingConfig
 
+CHAT_URL = "/v1/chat/completions"
+
 
 @dataclass(slots=True)
 class BatchItem:
@@ -24,6 +28,7 @@ class BatchItem:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    error: str | None = None        # set: answered with an error line, never generated
 
 
 @dataclass(slots=True)
@@ -48,6 +53,10 @@ def parse_line(text: str) -> BatchItem:
     if not isinstance(raw, dict):
         raise ValueError("a line must be a JSON object")
     if "custom_id" in raw:
+        url = raw.get("url", CHAT_URL)
+        if url != CHAT_URL:
+            return BatchItem(str(raw["custom_id"]), [], error=f"url {url!r} is not supported; this runner "
+                                                                f"serves only {CHAT_URL}")
         body = raw.get("body")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             raise ValueError("an OpenAI batch line needs body.messages (a non-empty list)")
@@ -89,6 +98,8 @@ def read_inputs(path: Path, summary: BatchSummary) -> list[BatchItem]:
             summary.skipped_lines.append(f"line {number}: duplicate id {item.id!r}")
             continue
         seen.add(item.id)
+        if item.error:
+            summary.skipped_lines.append(f"line {number}: {item.error}")
         items.append(item)
     summary.num_inputs = len(items)
     return items
@@ -126,20 +137,26 @@ def run_batch(in_path: Path, out_path: Path, generate: Generate, sampling: Sampl
         on_progress(0, len(pending))
     with open(out_path, "a", encoding="utf-8") as out:
         for index, item in enumerate(pending, start=1):
-            item_sampling = _item_sampling(item, sampling)
-            try:
-                text, report = generate(item, item_sampling, item.max_tokens or max_new_tokens)
-                line = _success_line(item, text, report, model_name)
-                summary.num_completed += 1
-            except ValueError as err:
-                line = _error_line(item, str(err))
-                summary.num_failed += 1
+            line = _answer(item, generate, sampling, max_new_tokens, model_name, summary)
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
             os.fsync(out.fileno())
             if on_progress:
                 on_progress(index, len(pending))
     return summary
+
+
+def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_new_tokens: int,
+            model_name: str, summary: BatchSummary) -> dict:
+    if item.error:
+        return _error_line(item, item.error, "unsupported_url")
+    try:
+        text, report = generate(item, _item_sampling(item, sampling), item.max_tokens or max_new_tokens)
+    except ValueError as err:
+        summary.num_failed += 1
+        return _error_line(item, str(err))
+    summary.num_completed += 1
+    return _success_line(item, text, report, model_name)
 
 
 def _item_sampling(item: BatchItem, sampling: SamplingConfig) -> SamplingConfig:
@@ -158,6 +175,6 @@ def _success_line(item: BatchItem, text: str, report: dict, model_name: str) -> 
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
 
 
-def _error_line(item: BatchItem, message: str) -> dict:
+def _error_line(item: BatchItem, message: str, code: str = "invalid_request") -> dict:
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.id, "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+            "error": {"code": code, "message": message}}

@@ -166,7 +166,7 @@ def cmd_bench(args, console) -> int:
     if args.bench == "draft":
         result = _bench_draft(args, console)
     if args.bench == "stream":
-        from bench.stream import run_stream_bench
+        from offload.stream_bench import run_stream_bench
         sizes = [int(x) for x in args.tokens.split(",") if x.strip()]
         if not sizes or min(sizes) <= 0:
             raise ValueError(f"--tokens needs positive pass sizes, got {args.tokens!r}")

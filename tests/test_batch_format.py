@@ -84,3 +84,28 @@ def test_generation_error_becomes_an_error_line(tmp_path):
     summary = run_batch(source, out, failing, SamplingConfig(), 8, "m")
     row = json.loads(out.read_text())
     assert summary.num_failed == 1 and row["response"] is None and "9999" in row["error"]["message"]
+
+
+def test_unsupported_url_is_reported_and_answered_with_an_error_line(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "q"}]}}
+    embed = {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "text"}}
+    _write(source, [json.dumps(embed), json.dumps(chat)])
+    calls = []
+
+    def counting(item, sampling, max_tokens):
+        calls.append(item.id)
+        return fake_generate(item, sampling, max_tokens)
+
+    summary = run_batch(source, out, counting, SamplingConfig(), 8, "m")
+    assert calls == ["c1"] and not summary.is_clean
+    assert summary.skipped_lines[0].startswith("line 1:") and "/v1/embeddings" in summary.skipped_lines[0]
+    rows = {json.loads(line)["custom_id"]: json.loads(line) for line in out.read_text().splitlines()}
+    assert set(rows) == {"e1", "c1"}
+    assert rows["e1"]["response"] is None
+    assert rows["e1"]["error"]["code"] == "unsupported_url" and "/v1/embeddings" in rows["e1"]["error"]["message"]
+    assert rows["c1"]["error"] is None
+    calls.clear()
+    run_batch(source, out, counting, SamplingConfig(), 8, "m")   # a rerun writes nothing twice
+    assert calls == [] and len(out.read_text().splitlines()) == 2
