@@ -22,8 +22,13 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--target", default=None,
                        help="target model: HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--draft", default=None, help="draft model folder for speculative decoding (default: none)")
+    group.add_argument("--draft", default=None,
+                       help="draft for speculative decoding: a distilled draft folder, or any model folder, .gguf or "
+                            "Hub id with the target's tokenizer (default: the target's shipped draft, if any)")
     group.add_argument("--no-draft", action="store_true", help="never use a draft model (default: off)")
+    group.add_argument("--budget", default="auto",
+                       help="tree tokens verified per target pass, 1-8192, or auto: sized from the measured pass "
+                            "time and recent acceptance (default: auto)")
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (default: auto)")
     group.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                        help="compute dtype (default: auto = fp32 on CPU, bf16 on CUDA)")
@@ -79,11 +84,13 @@ def _sampling(args):
 def _session(args, console):
     from runtime import RuntimeConfig, Session
     from offload.planner import parse_bytes
+    from spec.budget import parse_budget
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     ram = parse_bytes(args.ram) if args.ram else None
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
-                           args.download, gpu_mem, ram, args.disk_cold)
-    return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+                           args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget))
+    return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
+                   on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False))
 
 
 def _messages(system: str | None, history: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -108,8 +115,10 @@ def cmd_run(args, console) -> int:
 
 
 def _footer(report: dict) -> str:
+    speculation = report.get("speculation")
+    budget = f" (budget {speculation['budget']['last']})" if speculation else ""
     return (f"{report['num_new_tokens']} tokens · {report['tokens_per_second']:.1f} tok/s · "
-            f"{report['tokens_per_pass']:.2f} tok/pass · peak {report['peak_device_bytes'] / 2**20:.0f} MiB "
+            f"{report['tokens_per_pass']:.2f} tok/pass{budget} · peak {report['peak_device_bytes'] / 2**20:.0f} MiB "
             f"· {report['stop_reason']}")
 
 

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload import LoadOptions, load_model  # noqa: E402
-from spec.distill import DraftBenchConfig, bench_draft, default_draft_for, load_draft  # noqa: E402
+from spec.distill import DraftBenchConfig, bench_draft  # noqa: E402
+from spec.draft import default_draft_for, load_draft  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
 
 

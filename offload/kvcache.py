@@ -1,7 +1,9 @@
 """A preallocated key/value cache with explicit append / commit / truncate.
 
-Invariant: slots [0, length) hold committed tokens in sequence order; a forward pass appends its
-N new tokens at [length, length + N) in every layer (pending) until `commit` keeps some of them.
+Invariant: slots [0, length) hold committed tokens in sequence order (slot i has position i);
+slots [length, length + num_pending) are pending: the new tokens of the last pass, or of several passes
+when each later one asked to keep them (a draft growing a tree over many passes), until `commit` keeps
+some of them, in order, right after the committed ones.
 """
 from __future__ import annotations
 
@@ -28,28 +30,51 @@ class KVCache:
         self.max_length = max_length
         self.length = 0
         self.num_pending = 0
+        self._write_start = 0
+        self._pending_positions: Tensor | None = None     # [B, num_pending] when a pass gave positions
+
+    @property
+    def num_slots(self) -> int:
+        """Committed plus pending slots: the keys a new token may attend to."""
+        return self.length + self.num_pending
+
+    def reserve(self, num_new: int, positions: Tensor, keep_pending: bool = False) -> None:
+        """Starts a pass of `num_new` tokens at `positions` [B, N]: their slots follow the pending ones
+        when `keep_pending`, else they replace them."""
+        if not keep_pending:
+            self.num_pending, self._pending_positions = 0, None
+        end = self.num_slots + num_new
+        if end > self.max_length:
+            raise CacheFullError(f"KV cache holds {self.max_length} tokens; {end} needed (raise the context size)")
+        self._write_start = self.num_slots
+        self.num_pending += num_new
+        previous = self._pending_positions
+        self._pending_positions = positions if previous is None else torch.cat((previous, positions), dim=1)
+
+    def key_positions(self) -> Tensor:
+        """[B, num_slots] the position of every filled slot (committed slot i has position i)."""
+        pending = self._pending_positions
+        committed = torch.arange(self.length, device=self.keys.device).expand(pending.shape[0], -1)
+        return torch.cat((committed, pending.to(committed.device)), dim=1)
 
     @property
     def num_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def append(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """keys/values [B, KVH, N, D] -> all keys/values [B, KVH, length + N, D] for this layer."""
-        num_new = keys.shape[2]
-        end = self.length + num_new
-        if end > self.max_length:
-            raise CacheFullError(f"KV cache holds {self.max_length} tokens; {end} needed "
-                                 f"(raise the context size)")
-        self.keys[layer, :, :, self.length:end] = keys
-        self.values[layer, :, :, self.length:end] = values
-        self.num_pending = num_new
+        """keys/values [B, KVH, N, D] of the reserved pass -> all keys/values [B, KVH, num_slots, D]."""
+        end = self._write_start + keys.shape[2]
+        if end != self.num_slots:
+            raise ValueError(f"append of {keys.shape[2]} tokens does not match the reserved pass")
+        self.keys[layer, :, :, self._write_start:end] = keys
+        self.values[layer, :, :, self._write_start:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def commit(self, kept_new_indices: Sequence[int] | Tensor | None = None) -> None:
-        """Keeps the given pending slots (indices into the last pass's new tokens), compacted in order."""
+        """Keeps the given pending slots (indices into the pending slots), compacted in order."""
         if kept_new_indices is None:
             self.length += self.num_pending
-            self.num_pending = 0
+            self.num_pending, self._pending_positions = 0, None
             return
         kept = torch.as_tensor(kept_new_indices, dtype=torch.long).cpu()
         if kept.unique().numel() != kept.numel():
@@ -62,11 +87,11 @@ class KVCache:
             self.keys[:, :, :, target] = self.keys.index_select(3, source)
             self.values[:, :, :, target] = self.values.index_select(3, source)
         self.length += kept.numel()
-        self.num_pending = 0
+        self.num_pending, self._pending_positions = 0, None
 
     def truncate(self, length: int) -> None:
         """Drops committed tokens past `length` (and anything pending)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length must lie in [0, {self.length}], got {length}")
         self.length = length
-        self.num_pending = 0
+        self.num_pending, self._pending_positions = 0, None

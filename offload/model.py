@@ -55,16 +55,19 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                 mask: Tensor | None = None, return_hidden: bool = False,
-                last_only: bool = False) -> ForwardOutput:
-        """tokens [B, N]; positions [B, N] (default: cache.length + arange); mask [B, N, length + N]
-        or [N, length + N] bool (default: causal). Appends N pending slots to `cache`."""
+                last_only: bool = False, keep_pending: bool = False) -> ForwardOutput:
+        """tokens [B, N]; positions [B, N] (default: cache.length + arange); mask [B, N, S] or [N, S]
+        bool over S = the cache's slots + N (default: causal). Adds N pending slots to `cache`, after
+        the pending ones when `keep_pending` (then positions and mask are the caller's), else in
+        their place."""
         tokens = tokens.to(self.device)
         batch, num_new = tokens.shape
         if positions is None:
             positions = torch.arange(cache.length, cache.length + num_new, device=self.device).expand(batch, -1)
         positions = positions.to(self.device)
+        cache.reserve(num_new, positions, keep_pending)
         if mask is None:
-            mask = causal_mask(cache.length, num_new, self.device)
+            mask = causal_mask(cache.num_slots - num_new, num_new, self.device)
         mask = self._full_mask(mask.to(self.device).expand(batch, -1, -1), positions, cache)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = F.embedding(tokens, self.embed).to(self.dtype)
@@ -85,18 +88,16 @@ class DecoderModel:
         logits = linear(hidden, self.lm_head).float()
         return ForwardOutput(logits, hidden if return_hidden else None)
 
+    def synchronize(self) -> None:
+        """Waits for queued device work (for honest timings on an asynchronous device)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _full_mask(self, mask: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-        expected = cache.length + positions.shape[1]
+        expected = cache.num_slots
         if mask.shape[-1] != expected:
             raise ValueError(f"mask covers {mask.shape[-1]} keys; cache + new tokens = {expected}")
         window = self.config.sliding_window
         if window is None or expected <= window:
             return mask
-        key_positions = torch.cat((self._cache_positions(cache, positions), positions), dim=1)
-        return apply_sliding_window(mask, key_positions, positions, window)
-
-    @staticmethod
-    def _cache_positions(cache: KVCache, positions: Tensor) -> Tensor:
-        # Committed slots hold a contiguous sequence: slot i has position i.
-        cached = torch.arange(cache.length, device=positions.device)
-        return cached.expand(positions.shape[0], -1)
+        return apply_sliding_window(mask, cache.key_positions().to(positions.device), positions, window)

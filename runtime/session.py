@@ -1,15 +1,23 @@
 """A session: the target model loaded once, a decoder with its KV cache, and run reports."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from offload import LoadedModel, LoadOptions, StreamDecoder, load_model
+from offload.devices import choose_device, choose_dtype
 from offload.planner import PlanError
-from spec import DecodeConfig, Decoder, DecodeResult, SamplingConfig
-from spec.distill import check_tokenizers_match, default_draft_for, is_draft_folder, load_draft
+from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig
+from spec.budget import check_budget
+from spec.draft import is_draft_folder, load_draft
+from .auto_budget import auto_budget
+from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for,
+                          new_speculator)
+
+
+MIN_PASS_TOKENS = 512      # prefill chunk: the smallest workspace a session plans for
 
 
 class UserError(Exception):
@@ -28,12 +36,15 @@ class RuntimeConfig:
     gpu_mem: int | None = None      # bytes; None: free device memory minus a margin
     ram: int | None = None          # bytes; None: available RAM minus a margin
     disk_cold: bool = False
+    budget: int | None = None       # tree tokens per step; None: chosen automatically
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
             raise ValueError("--draft and --no-draft exclude each other")
         if self.max_context < 16:
             raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
+        if self.budget is not None:
+            check_budget(self.budget)
 
 
 def _load_target(options: LoadOptions, on_status) -> LoadedModel:
@@ -44,34 +55,64 @@ def _load_target(options: LoadOptions, on_status) -> LoadedModel:
 
 
 class Session:
-    def __init__(self, config: RuntimeConfig, on_status=None) -> None:
+    def __init__(self, config: RuntimeConfig, on_status=None, on_warning=None) -> None:
         self.config = config
-        options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
-                              gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
-                              disk_cold=config.disk_cold)
-        try:
-            self.target = _load_target(options, on_status)
-        except PlanError as err:
-            raise UserError(str(err)) from None
-        self.draft_path = self._resolve_draft(config)
+        self.draft_choice = choose_draft(config.target, config.draft, config.no_draft)
+        max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
+        self.target, max_budget = self._load_target(max_budget, on_status)
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
-        decode = DecodeConfig(max_context=config.max_context)
-        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode)
+        self.draft = self._load_draft(on_status, on_warning)
+        decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens)
+        speculator = new_speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
+            if self.draft else None
         self._streamed_before = 0
+        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator,
+                               self._budget(max_budget, on_status))
 
-    def _resolve_draft(self, config: RuntimeConfig) -> Path | None:
-        """The draft a speculative run would use: --draft (checked against the target's tokenizer),
-        else the shipped draft of the default target; loaded by the speculative decoder."""
-        if config.no_draft:
+    def _load_target(self, max_budget: int, on_status) -> tuple[LoadedModel, int]:
+        """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
+        does not fit the device budget halves the largest tree instead of failing."""
+        config = self.config
+        while True:
+            self.options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
+                                       gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
+                                       max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
+                                       draft_bytes=self._draft_bytes())
+            try:
+                return _load_target(self.options, on_status), max_budget
+            except PlanError as err:
+                if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
+                    raise UserError(str(err)) from None
+                max_budget //= 2
+
+    @property
+    def draft_path(self) -> Path | None:
+        return self.draft.path if self.draft else None
+
+    def _draft_bytes(self) -> int:
+        device = choose_device(self.config.device)
+        return estimated_draft_bytes(self.draft_choice.spec, choose_dtype(self.config.dtype, device).itemsize)
+
+    def _load_draft(self, on_status, on_warning):
+        if not self.draft_choice.spec:
             return None
-        if config.draft is None:
-            return default_draft_for(config.target)
-        folder = Path(config.draft).expanduser()
-        if not (folder / "config.json").exists():
-            raise UserError(f"draft model not found: {config.draft} (a draft folder holds config.json)")
-        check_tokenizers_match(self.target.path, folder)
-        return folder
+        draft_options = LoadOptions(None, self.config.device, "auto", self.config.allow_download,
+                                    gpu_mem=self.config.gpu_mem, max_context=self.config.max_context,
+                                    max_pass_tokens=self.options.max_pass_tokens)
+        try:
+            return load_draft_for(self.draft_choice, self.target, draft_options, on_status)
+        except DraftUnavailable as err:
+            if on_warning:
+                on_warning(str(err))
+            return None
+
+    def _budget(self, max_budget: int, on_status):
+        if self.draft is None:
+            return FixedBudget(1)
+        if self.config.budget is not None:
+            return FixedBudget(self.config.budget)
+        return auto_budget(self.target, max_budget, on_status)
 
     def encode(self, messages: list[dict[str, str]] | None = None, raw: str | None = None) -> list[int]:
         if raw is not None:
@@ -89,7 +130,8 @@ class Session:
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        self.decoder.config = DecodeConfig(max_new_tokens, self.config.max_context)
+        self._streamed_before = self.target.layers.total.bytes_streamed
+        self.decoder.config = replace(self.decoder.config, max_new_tokens=max_new_tokens)
         result = self.decoder.generate(prompt_ids, sampling, on_tokens)
         return self.tokenizer.decode(result.token_ids), result
 
@@ -98,12 +140,16 @@ class Session:
 
     def close(self) -> None:
         self.target.layers.close()
+        if self.draft:
+            self.draft.close()
 
     def peak_device_bytes(self) -> int:
         if self.target.model.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated())
         # On the CPU the engine accounts for its own device memory: weights, ring buffers, KV cache.
-        return self.target.device_bytes + self.decoder.cache.num_bytes
+        speculator = self.decoder.speculator
+        draft = self.draft.device_bytes + speculator.cache.num_bytes if speculator else 0
+        return self.target.device_bytes + self.decoder.cache.num_bytes + draft
 
     def engine_stats(self) -> dict:
         plan = self.target.plan
@@ -129,6 +175,7 @@ class Session:
             "device": str(self.target.model.device),
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
             "draft": str(self.draft_path) if self.draft_path else None,
-            "speculative": False,
+            "speculative": stats.speculative,
+            **({"speculation": stats.speculation_report()} if stats.speculative else {}),
             "engine": self.engine_stats(),
         }

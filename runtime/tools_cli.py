@@ -144,7 +144,8 @@ def _bench_prompts(paths: list[Path], limit: int | None) -> list[list[dict[str, 
 def _bench_draft(args, console) -> dict:
     from offload import LoadOptions, load_model
     from offload.devices import dtype_name
-    from spec.distill import AnswerCache, DraftBenchConfig, bench_draft, default_draft_for, load_draft
+    from spec.distill import AnswerCache, DraftBenchConfig, bench_draft
+    from spec.draft import default_draft_for, load_draft
     draft_path = args.draft or default_draft_for(args.target)
     if draft_path is None:
         raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")

@@ -1,22 +1,33 @@
-"""The decoding loop. Autoregressive decoding is speculation with a tree of one node; the loop keeps
-the target's KV cache across calls and reuses the longest common prefix (multi-turn chat)."""
+"""The decoding loop: every step is one target pass over a token tree. Without a draft (or at budget 1)
+the tree is the last token alone, i.e. autoregressive decoding. The loop keeps both KV caches across
+calls and reuses the longest common prefix (multi-turn chat).
+"""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from offload import DecoderModel, KVCache
+from offload import DecoderModel, ForwardOutput, KVCache
+from .grow import MAX_CHILDREN, MAX_DEPTH, GrowthConfig
 from .sampling import SamplingConfig, make_generator, sample
+from .speculator import Speculator
+from .stats import DecodeStats
+from .tree import Tree
+from .verify import AcceptancePolicy, ExactMatch, Verdict, accepted_path, target_choices
 
 
 @dataclass(slots=True)
 class DecodeConfig:
     max_new_tokens: int = 256
     max_context: int = 4096
-    max_pass_tokens: int = 512      # prefill runs in chunks of this size (the engine's workspace)
+    max_pass_tokens: int = 512      # prefill chunk and largest tree: the engine's workspace
+    max_width: int | None = None    # tree growth (see GrowthConfig)
+    max_children: int = MAX_CHILDREN
+    max_depth: int = MAX_DEPTH
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -28,42 +39,50 @@ class DecodeConfig:
 
 
 @dataclass(slots=True)
-class DecodeStats:
-    num_prompt_tokens: int = 0
-    num_new_tokens: int = 0
-    num_target_passes: int = 0
-    num_reused_tokens: int = 0
-    seconds: float = 0.0
-    first_token_seconds: float | None = None
-    stop_reason: str = ""
-
-    @property
-    def tokens_per_pass(self) -> float:
-        return self.num_new_tokens / self.num_target_passes if self.num_target_passes else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(slots=True)
 class DecodeResult:
     token_ids: list[int] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+class BudgetPolicy(Protocol):
+    """Chooses each step's tree size and learns from what the step accepted."""
+
+    def choose(self) -> int: ...
+
+    def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
+                overhead_seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class FixedBudget:
+    budget: int
+
+    def choose(self) -> int:
+        return self.budget
+
+    def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
+                overhead_seconds: float) -> None:
+        return None
 
 
 TokenCallback = Callable[[list[int]], None]
 
 
 class Decoder:
-    def __init__(self, target: DecoderModel, stop_ids: set[int], config: DecodeConfig) -> None:
+    def __init__(self, target: DecoderModel, stop_ids: set[int], config: DecodeConfig,
+                 speculator: Speculator | None = None, budget: BudgetPolicy | None = None,
+                 policy: AcceptancePolicy | None = None) -> None:
         self.target, self.stop_ids, self.config = target, set(stop_ids), config
+        self.speculator, self.budget = speculator, budget or FixedBudget(1)
+        self.policy = policy or ExactMatch()
         self.cache: KVCache = target.new_cache(config.max_context)
         self.cached_ids: list[int] = []   # tokens whose keys/values are committed in the cache
 
     def reset(self) -> None:
         self.cache.truncate(0)
         self.cached_ids = []
+        if self.speculator:
+            self.speculator.reset()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig,
                  on_tokens: TokenCallback | None = None) -> DecodeResult:
@@ -73,16 +92,28 @@ class Decoder:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_context}")
         result, start = DecodeResult(), time.perf_counter()
         result.stats.num_prompt_tokens = len(prompt_ids)
+        result.stats.speculative = self.speculator is not None
         generator = make_generator(sampling, self.target.device)
         try:
             logits = self._prefill(prompt_ids, result.stats)
             self._loop(logits, sampling, generator, result, on_tokens, start)
         except KeyboardInterrupt:
             result.stats.stop_reason = "interrupted"
+            self._discard_pending()
             raise
         finally:
             result.stats.seconds = time.perf_counter() - start
         return result
+
+    def _discard_pending(self) -> None:
+        """Both caches keep only committed tokens; if the interrupt fell between a commit and its
+        bookkeeping, the target's cache starts over (the next prompt is prefilled again)."""
+        if len(self.cached_ids) != self.cache.length:
+            self.cached_ids = []
+            self.cache.truncate(0)
+        self.cache.truncate(self.cache.length)
+        if self.speculator:
+            self.speculator.discard_pending()
 
     def _prefill(self, prompt_ids: list[int], stats: DecodeStats) -> torch.Tensor:
         common = _common_prefix(self.cached_ids, prompt_ids)
@@ -91,39 +122,83 @@ class Decoder:
         self.cached_ids = self.cached_ids[:common]
         stats.num_reused_tokens = common
         rest, chunk = prompt_ids[common:], self.config.max_pass_tokens
-        for start in range(0, len(rest), chunk):
-            logits = self._step(rest[start:start + chunk], stats, last_only=True)
-        return logits
-
-    def _step(self, new_ids: list[int], stats: DecodeStats, last_only: bool = False) -> torch.Tensor:
-        tokens = torch.tensor([new_ids], dtype=torch.long)
-        output = self.target.forward(tokens, self.cache, last_only=last_only)
-        self.cache.commit()
-        self.cached_ids.extend(new_ids)
-        stats.num_target_passes += 1
-        return output.logits[0, -1]   # [V]
+        for begin in range(0, len(rest), chunk):
+            new_ids = rest[begin:begin + chunk]
+            logits = self.target.forward(torch.tensor([new_ids]), self.cache, last_only=True).logits
+            self.cache.commit()
+            self.cached_ids.extend(new_ids)
+            stats.num_target_passes += 1
+        return logits[0, -1]   # [V]
 
     def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, generator, result: DecodeResult,
               on_tokens: TokenCallback | None, start: float) -> None:
         stats = result.stats
+        emitted = [int(sample(logits, sampling, generator))]
         while True:
-            token = int(sample(logits, sampling, generator))
-            result.token_ids.append(token)
-            stats.num_new_tokens += 1
+            count, stats.stop_reason = self._cut(emitted, stats)
+            result.token_ids.extend(emitted[:count])
+            stats.num_new_tokens += count
             if stats.first_token_seconds is None:
                 stats.first_token_seconds = time.perf_counter() - start
             if on_tokens:
-                on_tokens([token])
-            if token in self.stop_ids:
-                stats.stop_reason = "eos"
-                return
-            if stats.num_new_tokens >= self.config.max_new_tokens:
-                stats.stop_reason = "length"
+                on_tokens(emitted[:count])
+            if stats.stop_reason:
                 return
             if self.cache.length + 1 >= self.config.max_context:
                 stats.stop_reason = "context"
                 return
-            logits = self._step([token], stats)
+            emitted = self._step(emitted[-1], sampling, generator, stats)
+
+    def _cut(self, emitted: list[int], stats: DecodeStats) -> tuple[int, str]:
+        """How many of a step's tokens to emit, and why generation stops there ("" if it goes on)."""
+        for index, token in enumerate(emitted, start=1):
+            if token in self.stop_ids:
+                return index, "eos"
+            if stats.num_new_tokens + index >= self.config.max_new_tokens:
+                return index, "length"
+        return len(emitted), ""
+
+    def _step(self, root: int, sampling: SamplingConfig, generator, stats: DecodeStats) -> list[int]:
+        """One target pass over a tree rooted at `root` -> the tokens it yields (accepted path + the
+        target's token after it). Commits the root and the accepted nodes in both caches."""
+        began = time.perf_counter()
+        budget = self._fitting_budget()
+        tree, slots, draft_seconds = Tree.root_only(root), None, 0.0
+        if budget > 1 and self.speculator:
+            remaining = self.config.max_new_tokens - stats.num_new_tokens
+            growth = GrowthConfig(budget, self.config.max_width, self.config.max_children,
+                                  min(self.config.max_depth, remaining - 1))
+            tree, slots = self.speculator.propose(self.cached_ids, root, growth)
+            draft_seconds = self.speculator.forward_seconds
+        verified = time.perf_counter()
+        output = self._verify_pass(tree)
+        target_seconds = time.perf_counter() - verified
+        choices = target_choices(output.logits[0], sampling, generator).to(tree.tokens.device)
+        hidden = output.hidden[0] if output.hidden is not None else None
+        path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
+        yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
+        self.cache.commit(path)
+        self.cached_ids.extend(tree.tokens[path].tolist())
+        if slots is not None:
+            self.speculator.accept(tree, slots, path)
+        overhead = time.perf_counter() - began - draft_seconds - target_seconds
+        stats.record_step(budget, tree.num_nodes, len(yielded), draft_seconds, target_seconds, overhead)
+        self.budget.observe(tree.num_nodes, path[1:], draft_seconds, overhead)
+        return yielded
+
+    def _fitting_budget(self) -> int:
+        """The policy's tree size, shrunk to what the context window and the engine's workspace hold
+        (the committed path must leave the last slot free, as autoregressive decoding does)."""
+        room = self.config.max_context - 1 - self.cache.length
+        return max(1, min(self.budget.choose(), room, self.config.max_pass_tokens))
+
+    def _verify_pass(self, tree: Tree) -> ForwardOutput:
+        tokens = tree.tokens[None]
+        if tree.num_nodes == 1:
+            return self.target.forward(tokens, self.cache, return_hidden=self.policy.needs_hidden)
+        length = self.cache.length
+        return self.target.forward(tokens, self.cache, tree.positions(length), tree.attention_mask(length),
+                                   return_hidden=self.policy.needs_hidden)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

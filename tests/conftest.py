@@ -91,3 +91,18 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+def add_tiny_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer over tokens t0..t{V-1} ("t0" is the end of turn), so that a tiny random
+    checkpoint loads like a real model folder (our loader and the draft/target tokenizer check read it)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["t0"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0", "unk_token": "t1"}))
+    return folder

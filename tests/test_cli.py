@@ -19,7 +19,7 @@ def cli(*args, timeout=120, **kwargs):
 
 
 def test_run_json_reports_text_and_stats():
-    result = cli("run", "What is 2+2?", "--json")
+    result = cli("run", "What is 2+2?", "--json", "--no-draft")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["text"] == "The answer to this classic math problem is 4."
@@ -27,7 +27,43 @@ def test_run_json_reports_text_and_stats():
                 "tokens_per_second", "peak_device_bytes", "bytes_streamed"):
         assert key in report
     assert report["num_new_tokens"] == report["num_target_passes"] and report["tokens_per_pass"] == 1.0
-    assert report["peak_device_bytes"] > 100e6
+    assert report["peak_device_bytes"] > 100e6 and report["speculative"] is False
+
+
+def test_run_speculates_by_default_with_the_shipped_draft():
+    result = cli("run", "Name three primary colors and one fact about each.", "--json", "--budget", "16",
+                 "--max-new-tokens", "48")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    reference = json.loads(cli("run", "Name three primary colors and one fact about each.", "--json", "--no-draft",
+                               "--max-new-tokens", "48").stdout)
+    assert report["text"] == reference["text"] and report["speculative"] is True
+    speculation = report["speculation"]
+    assert speculation["budget"]["last"] == 16 and report["num_target_passes"] < reference["num_target_passes"]
+    assert report["tokens_per_pass"] > 1.3
+    assert sum(speculation["tokens_per_pass_histogram"].values()) == speculation["num_steps"]
+    assert 1 >= speculation["acceptance_by_depth"][0] >= speculation["acceptance_by_depth"][-1] > 0
+    assert set(speculation["seconds_per_step"]) == {"draft", "target", "overhead"}
+
+
+@pytest.mark.parametrize("budget", ["0", "9000", "big"])
+def test_budget_outside_the_range_is_refused_with_the_range(budget):
+    result = cli("run", "hi", "--budget", budget)
+    assert result.returncode == 2 and "[1, 8192]" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_draft_that_cannot_load_falls_back_with_one_warning(tmp_path):
+    from offload.sources import resolve_model
+    default = resolve_model(None)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((default / name).read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    result = cli("run", "What is 2+2?", "--draft", str(tmp_path), "--json", "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["text"] == "The answer to this classic math problem is 4." and report["speculative"] is False
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "could not be loaded" in result.stderr
 
 
 def test_run_streams_text_and_raw_mode_skips_template():

@@ -14,12 +14,15 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from offload import LoadOptions, load_model
 from spec import DecodeConfig, Decoder, SamplingConfig
-from spec.distill import (AnswerCache, DraftBenchConfig, bench_draft, check_tokenizers_match, is_draft_folder, load_draft,
-                          load_draft_module)
+from spec.distill import AnswerCache, DraftBenchConfig, bench_draft, load_draft_module
+from spec.draft import default_draft_for, load_draft
+from spec.draft_folder import DraftInfo, DraftFormatError, dequantize_int8, embedding_fingerprint, is_draft_folder, read_draft_info
+from spec.tokenizer_match import check_tokenizers_match
 from spec.distill.bench import expected_speedup, rank_counts
 from spec.distill.corpus import append_shard, load_corpus
-from spec.distill.draft_io import DraftInfo, DraftFormatError, embedding_fingerprint, dequantize_int8, quantize_int8, save_draft
-from spec.distill.draft_model import choose_vocab, draft_from_target, out_of_set_rows
+from spec.distill.draft_io import quantize_int8, save_draft
+from spec.distill.draft_model import choose_vocab, draft_from_target
+from spec.vocab_map import out_of_set_rows
 from spec.distill.generate import NO_TARGET, GenerationConfig, generate_batch
 from spec.distill.loss import sparse_kl_loss
 from spec.distill.prompts import prompts_from_jsonl
@@ -326,7 +329,6 @@ def test_distill_end_to_end_and_resume(target, tmp_path):
 
 
 def test_default_target_resolves_to_the_shipped_draft():
-    from spec.distill import default_draft_for, read_draft_info
     folder = default_draft_for(None)
     assert folder is not None and default_draft_for("default") == folder and default_draft_for("x/y") is None
     info = read_draft_info(folder)

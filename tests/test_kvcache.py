@@ -29,7 +29,12 @@ def _tokens(first: int, count: int, layer: int) -> tuple[torch.Tensor, torch.Ten
     return keys, -keys
 
 
-def _append_all_layers(cache: KVCache, first: int, count: int) -> None:
+def _reserve(cache: KVCache, first: int, count: int, keep_pending: bool = False) -> None:
+    cache.reserve(count, torch.arange(first, first + count)[None], keep_pending)
+
+
+def _append_all_layers(cache: KVCache, first: int, count: int, keep_pending: bool = False) -> None:
+    _reserve(cache, first, count, keep_pending)
     for layer in range(LAYERS):
         cache.append(layer, *_tokens(first, count, layer))
 
@@ -47,11 +52,30 @@ def test_append_returns_cache_plus_new_and_leaves_pending():
     cache = _cache()
     _append_all_layers(cache, 0, 3)
     cache.commit()
+    _reserve(cache, 3, 2)
     keys, values = cache.append(1, *_tokens(3, 2, 1))
     assert keys.shape == values.shape == (1, KV_HEADS, 5, HEAD_DIM)
     assert keys[0, 0, :, 0].tolist() == [100, 101, 102, 103, 104]
     assert torch.equal(values, -keys)
     assert cache.length == 3 and cache.num_pending == 2
+
+
+def test_kept_pending_slots_accumulate_over_passes_and_commit_picks_among_all():
+    cache = _cache()
+    _append_all_layers(cache, 0, 2)
+    cache.commit()
+    _append_all_layers(cache, 10, 3)                       # pending 0..2
+    _append_all_layers(cache, 20, 2, keep_pending=True)    # pending 3..4, after the first three
+    assert cache.length == 2 and cache.num_pending == 5 and cache.num_slots == 7
+    assert cache.key_positions()[0].tolist() == [0, 1, 10, 11, 12, 20, 21]
+    cache.commit([1, 4])
+    for layer in range(LAYERS):
+        assert _slot_ids(cache, layer, 4) == [0, 1, 11, 21]
+    _append_all_layers(cache, 30, 1)
+    _append_all_layers(cache, 40, 1)                       # not kept: replaces the pending slot
+    assert cache.num_pending == 1
+    cache.commit()
+    assert _slot_ids(cache, 0, 5) == [0, 1, 11, 21, 40]
 
 
 def test_commit_all_keeps_every_pending_slot():
@@ -134,12 +158,12 @@ def test_overflow_raises_cache_full():
     _append_all_layers(cache, 0, 4)
     cache.commit()
     with pytest.raises(CacheFullError):
-        cache.append(0, *_tokens(4, 2, 0))
+        _reserve(cache, 4, 2)
     _append_all_layers(cache, 4, 1)   # exactly full is fine
     cache.commit()
     assert cache.length == 5
     with pytest.raises(CacheFullError):
-        cache.append(0, *_tokens(5, 1, 0))
+        _reserve(cache, 5, 1)
 
 
 def test_model_forward_overflow_raises_cache_full(tiny_checkpoint):

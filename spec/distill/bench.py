@@ -19,8 +19,8 @@ from torch import Tensor
 from offload import LoadedModel
 from offload.devices import dtype_name
 from .answer_cache import AnswerCache
-from .compat import check_tokenizers_match
-from .draft_model import out_of_set_rows
+from spec.tokenizer_match import check_tokenizers_match
+from spec.vocab_map import out_of_set_rows
 from .generate import GenerationConfig, generate_batch
 
 MAX_RANK = 8

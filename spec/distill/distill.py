@@ -19,7 +19,8 @@ from offload.weights import CheckpointSource
 from .batches import is_validation
 from .collect import collect_answers, collect_self_prompts
 from .corpus import load_corpus, source_summary, token_counts
-from .draft_io import DraftInfo, embedding_fingerprint, save_draft
+from spec.draft_folder import DraftInfo, embedding_fingerprint
+from .draft_io import save_draft
 from .draft_model import DRAFT_KINDS, DraftModel, choose_vocab, draft_from_target, init_layer_indices
 from .generate import GenerationConfig
 from .prompts import (TrainingPrompt, default_prompt_files, interleave, prompts_from_jsonl, refuse_evaluation_file,

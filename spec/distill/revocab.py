@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .draft_model import DraftModel, out_of_set_rows
+from spec.vocab_map import out_of_set_rows
+from .draft_model import DraftModel
 from .train import write_checkpoint
 
 

@@ -13,7 +13,8 @@ import torch
 
 from .batches import BatchStream, make_batch
 from .corpus import CorpusSequence
-from .draft_model import DraftModel, out_of_set_rows
+from spec.vocab_map import out_of_set_rows
+from .draft_model import DraftModel
 from .loss import sparse_kl_loss
 
 ProgressCallback = Callable[[dict], None]

@@ -9,11 +9,15 @@ from tokenizers import Tokenizer as FastTokenizer
 from offload.tokenizer import SPECIAL_TOKEN_KEYS
 
 
+class TokenizerMismatchError(ValueError):
+    """A draft's tokens are not its target's."""
+
+
 def _tokenizer_facts(folder: Path) -> tuple[dict[str, int], dict[str, str], set[str]]:
     """(vocabulary with added tokens, named special tokens, special added tokens) of a model folder."""
     path = Path(folder) / "tokenizer.json"
     if not path.exists():
-        raise ValueError(f"{folder} has no tokenizer.json; a draft and its target must both carry their tokenizer")
+        raise TokenizerMismatchError(f"{folder} has no tokenizer.json; a draft and its target must both carry their tokenizer")
     fast = FastTokenizer.from_file(str(path))
     settings_path = Path(folder) / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
@@ -32,16 +36,16 @@ def check_tokenizers_match(target_folder: str | Path, draft_folder: str | Path) 
     draft_vocab, draft_named, draft_special = _tokenizer_facts(Path(draft_folder))
     prefix = f"draft {draft_folder} does not share the tokenizer of target {target_folder}"
     if len(target_vocab) != len(draft_vocab):
-        raise ValueError(f"{prefix}: vocabularies have {len(draft_vocab)} vs {len(target_vocab)} tokens "
+        raise TokenizerMismatchError(f"{prefix}: vocabularies have {len(draft_vocab)} vs {len(target_vocab)} tokens "
                          f"(build a draft for this target with `distill --target`)")
     if target_vocab != draft_vocab:
         token = next(t for t in target_vocab if draft_vocab.get(t) != target_vocab[t])
-        raise ValueError(f"{prefix}: token {token!r} has id {draft_vocab.get(token)} in the draft and "
+        raise TokenizerMismatchError(f"{prefix}: token {token!r} has id {draft_vocab.get(token)} in the draft and "
                          f"{target_vocab[token]} in the target")
     if target_special != draft_special:
         differ = sorted(target_special ^ draft_special)
-        raise ValueError(f"{prefix}: special tokens differ ({', '.join(differ[:5])})")
+        raise TokenizerMismatchError(f"{prefix}: special tokens differ ({', '.join(differ[:5])})")
     for key in sorted(set(target_named) | set(draft_named)):
         if target_named.get(key) != draft_named.get(key):
-            raise ValueError(f"{prefix}: {key} is {draft_named.get(key)!r} in the draft and "
+            raise TokenizerMismatchError(f"{prefix}: {key} is {draft_named.get(key)!r} in the draft and "
                              f"{target_named.get(key)!r} in the target")

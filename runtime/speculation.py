@@ -1,0 +1,71 @@
+"""Wiring speculation for a session: which draft, loaded how, and which budget policy sizes the trees."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload import LoadedModel, LoadOptions
+from offload.config import ModelConfig
+from offload.devices import choose_device
+from spec import Draft, Speculator, default_draft_for, load_any_draft
+from offload.sources import ModelNotFoundError
+from spec.draft_folder import is_draft_folder, read_draft_info
+from spec.tokenizer_match import TokenizerMismatchError
+
+AUTO_MAX_BUDGET = {"cpu": 1024, "cuda": 2048}   # the largest tree `--budget auto` plans the workspace for
+
+
+class DraftUnavailable(Exception):
+    """The draft could not be loaded; decoding goes on without speculation."""
+
+
+@dataclass(slots=True)
+class DraftChoice:
+    spec: str | None          # what to load: a draft folder, model folder, .gguf or Hub id (None: no draft)
+    is_explicit: bool         # the user named it (--draft) rather than the target's shipped draft
+
+
+def choose_draft(target: str | None, draft: str | None, no_draft: bool) -> DraftChoice:
+    if no_draft:
+        return DraftChoice(None, False)
+    if draft is not None:
+        return DraftChoice(draft, True)
+    shipped = default_draft_for(target)
+    return DraftChoice(str(shipped) if shipped else None, False)
+
+
+def max_budget_for(budget: int | None, device: str) -> int:
+    """The largest tree a session plans for: the fixed budget, or auto's ceiling on this device."""
+    return budget if budget is not None else AUTO_MAX_BUDGET[choose_device(device).type]
+
+
+def estimated_draft_bytes(spec: str | None, dtype_bytes: int) -> int:
+    """Device bytes a draft will take, from its config alone (for the target's plan); 0 when unknown."""
+    folder = Path(spec).expanduser() if spec else None
+    if folder is None or not (folder / "config.json").is_file():
+        return 0
+    try:
+        config = ModelConfig.from_file(folder)
+    except (ValueError, OSError):
+        return 0
+    layers = config.num_layers * config.layer_param_count
+    if is_draft_folder(folder):          # the embedding is the target's; the head has K rows
+        head = read_draft_info(folder).vocab_top * config.hidden_size
+        return (layers + head) * dtype_bytes
+    return (layers + config.global_param_count) * dtype_bytes
+
+
+def load_draft_for(choice: DraftChoice, target: LoadedModel, options: LoadOptions, on_status=None) -> Draft:
+    """The draft, resident on the target's device. A draft that names nothing or speaks another
+    tokenizer is the user's to fix (raised as is); any other failure raises DraftUnavailable."""
+    try:
+        return load_any_draft(choice.spec, target, options, on_status)
+    except (TokenizerMismatchError, ModelNotFoundError):
+        raise
+    except Exception as err:   # a broken draft must not stop the target from answering
+        raise DraftUnavailable(f"draft {choice.spec} could not be loaded ({err}); decoding without speculation") \
+            from err
+
+
+def new_speculator(draft: Draft, max_context: int, max_budget: int, max_pass_tokens: int) -> Speculator:
+    return Speculator(draft, max_context, max_budget, max_pass_tokens)

@@ -1,0 +1,289 @@
+"""Tree budget: the range a user may ask for, the target's measured pass-time curve (probed once,
+cached on disk) and a chooser that picks each step's tree size to maximise expected tokens per second:
+
+    rate(b) = (A(b) + 1) / (t(b) + draft(b) + overhead(b))
+
+A(b) is the expected accepted path length (root excluded) of a best-first tree of b tokens, t(b) the
+target's pass time over b tokens, draft(b) and overhead(b) the learned growth and bookkeeping costs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import warnings
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIN_BUDGET = 1
+MAX_BUDGET = 8192
+CURVE_FORMAT, CURVE_VERSION = "pass-time-curve", 1
+
+
+def check_budget(value: int) -> int:
+    """Returns `value` if it is an int in [MIN_BUDGET, MAX_BUDGET], else raises ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_BUDGET <= value <= MAX_BUDGET:
+        raise ValueError(f"budget must lie in [{MIN_BUDGET}, {MAX_BUDGET}], got {value!r}")
+    return value
+
+
+def parse_budget(text: str) -> int | None:
+    """Parses the --budget flag: "auto" -> None (the chooser decides), else a checked int."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return check_budget(int(text))
+    except ValueError:
+        raise ValueError(f"--budget must be 'auto' or an integer in [{MIN_BUDGET}, {MAX_BUDGET}], "
+                         f"got {text!r}") from None
+
+
+@dataclass(slots=True)
+class PassTimeCurve:
+    """Seconds per pass as a function of tokens in the pass, from measured (tokens, seconds) points."""
+    points: list[tuple[float, float]]
+
+    def __post_init__(self) -> None:
+        self.points = sorted((float(n), float(s)) for n, s in self.points)
+        if not self.points:
+            raise ValueError("a pass-time curve needs at least one (tokens, seconds) point")
+        sizes = [n for n, _ in self.points]
+        if sizes[0] < 1 or len(set(sizes)) != len(sizes):
+            raise ValueError(f"curve sizes must be distinct and >= 1, got {sizes}")
+        if any(not math.isfinite(s) or s < 0 for _, s in self.points):
+            raise ValueError(f"curve seconds must be finite and >= 0, got {[s for _, s in self.points]}")
+
+    def seconds(self, n: float) -> float:
+        """Piecewise-linear between points; the first value below the first point; beyond the last,
+        the last segment's slope, never below the last value."""
+        sizes = [size for size, _ in self.points]
+        if n <= sizes[0]:
+            return self.points[0][1]
+        i = bisect_left(sizes, n)
+        if i == len(sizes):
+            if len(sizes) == 1:
+                return self.points[-1][1]
+            i -= 1
+        (n0, s0), (n1, s1) = self.points[i - 1], self.points[i]
+        value = s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+        return max(value, s1) if n > n1 else value
+
+    def to_dict(self) -> dict:
+        return {"format": CURVE_FORMAT, "version": CURVE_VERSION, "points": [list(p) for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PassTimeCurve:
+        if data.get("format") != CURVE_FORMAT or data.get("version") != CURVE_VERSION:
+            raise ValueError(f"not a {CURVE_FORMAT} v{CURVE_VERSION}: format={data.get('format')!r}, "
+                             f"version={data.get('version')!r}")
+        return cls([(n, s) for n, s in data["points"]])
+
+
+def probe_sizes(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... below max_tokens, then max_tokens itself (so the curve covers the largest tree)."""
+    check_budget(max_tokens)
+    return [1 << k for k in range(max_tokens.bit_length()) if 1 << k < max_tokens] + [max_tokens]
+
+
+def probe_pass_times(measure: Callable[[int], float], max_tokens: int, stop_factor: float = 12.0,
+                     num_repeats: int = 3, repeat_under_seconds: float = 1.0) -> PassTimeCurve:
+    """Measures one target pass at each of probe_sizes(max_tokens) after a warm-up pass over 1 token.
+    A size whose first pass took under `repeat_under_seconds` is measured `num_repeats` times (best
+    kept). Stops after the first size with t(n) > stop_factor * t(1): a tree yields far fewer than
+    stop_factor tokens per pass, so no larger tree can pay for itself."""
+    if stop_factor <= 1 or num_repeats < 1:
+        raise ValueError(f"need stop_factor > 1 and num_repeats >= 1, got {stop_factor}, {num_repeats}")
+    measure(1)
+    points: list[tuple[float, float]] = []
+    for n in probe_sizes(max_tokens):
+        best = _checked_seconds(n, measure(n))
+        if best < repeat_under_seconds:
+            best = min([best] + [_checked_seconds(n, measure(n)) for _ in range(num_repeats - 1)])
+        points.append((n, best))
+        if best > stop_factor * points[0][1]:
+            break
+    return PassTimeCurve(points)
+
+
+def _checked_seconds(n: int, seconds: float) -> float:
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a pass over {n} tokens must take finite, non-negative seconds, got {seconds}")
+    return seconds
+
+
+def curve_path(key: dict, folder: Path) -> Path:
+    """The cache file for `key`: a hash of its canonical JSON, so any change of key misses."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return Path(folder) / f"pass-times-{digest[:24]}.json"
+
+
+def load_curve(key: dict, folder: Path) -> PassTimeCurve | None:
+    """The cached curve for `key`, or None when absent; a corrupt file warns and counts as absent."""
+    path = curve_path(key, folder)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != json.loads(json.dumps(key)):
+            raise ValueError("the stored key differs from the requested one")
+        return PassTimeCurve.from_dict(data["curve"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"ignoring unreadable pass-time cache {path}: {error}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def save_curve(key: dict, curve: PassTimeCurve, folder: Path) -> Path:
+    """Writes the curve under `folder` atomically (temporary file, then os.replace); returns its path."""
+    path = curve_path(key, folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False)
+    try:
+        with handle:
+            json.dump({"key": key, "curve": curve.to_dict()}, handle)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def budget_grid(max_budget: int) -> list[int]:
+    """Candidate budgets: powers of two from 1 up to max_budget, plus max_budget."""
+    return probe_sizes(max_budget)
+
+
+@dataclass(slots=True)
+class _Mean:
+    """Plain mean of the first `window` samples, then an EMA with weight 1/window."""
+    window: int
+    value: float = 0.0
+    count: int = 0
+    last_step: int = -1
+
+    def add(self, sample: float, step: int) -> None:
+        self.count += 1
+        self.value += (sample - self.value) / min(self.count, self.window)
+        self.last_step = step
+
+
+@dataclass(slots=True)
+class _CostModel:
+    """Seconds per step as a function of tree size: one (mean size, mean seconds) point per grid
+    bucket, joined piecewise-linearly (PassTimeCurve), optionally through a fixed anchor point."""
+    grid: list[int]
+    window: int
+    anchor: tuple[float, float] | None = None
+    sizes: dict[int, _Mean] = field(default_factory=dict)
+    costs: dict[int, _Mean] = field(default_factory=dict)
+
+    def add(self, tree_size: int, seconds: float, step: int) -> None:
+        bucket = self.grid[bisect_left(self.grid, tree_size + 1) - 1]
+        self.sizes.setdefault(bucket, _Mean(self.window)).add(tree_size, step)
+        self.costs.setdefault(bucket, _Mean(self.window)).add(seconds, step)
+
+    def curve(self) -> PassTimeCurve | None:
+        points = [(self.sizes[b].value, self.costs[b].value) for b in self.sizes]
+        points += [self.anchor] if self.anchor and all(n != self.anchor[0] for n, _ in points) else []
+        return PassTimeCurve(points) if points else None
+
+
+@dataclass(slots=True)
+class BudgetChooser:
+    """Picks each step's tree budget from the pass-time curve and what recent steps accepted.
+
+    A(b) per grid budget is a running mean over steps whose tree held >= b tokens (recent: within the
+    last `window` steps). Above the largest recently observed budget f, A is extrapolated with the
+    gain per doubling of the last grid segment below f (concave in b, capped at b - 1), or the stale
+    mean where that is larger: optimism that makes the chooser try a bigger tree when it might pay
+    and learn from it. Before any tree of >= 2 tokens is seen, it picks the prior: the largest grid
+    budget with t(b) <= prior_time_factor * t(1), at least 2. A chooser settled on budget 1 learns
+    nothing new and stays there."""
+    curve: PassTimeCurve
+    max_budget: int
+    window: int = 32
+    prior_time_factor: float = 2.0
+    last_choice: int | None = field(init=False, default=None)
+    grid: list[int] = field(init=False)
+    _accepted: list[_Mean] = field(init=False)
+    _draft: _CostModel = field(init=False)
+    _overhead: _CostModel = field(init=False)
+    _step: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_budget)
+        if self.window < 1 or self.prior_time_factor < 1:
+            raise ValueError(f"need window >= 1 and prior_time_factor >= 1, "
+                             f"got {self.window}, {self.prior_time_factor}")
+        self.grid = budget_grid(self.max_budget)
+        self._accepted = [_Mean(self.window) for _ in self.grid]
+        self._draft = _CostModel(self.grid, self.window, anchor=(1.0, 0.0))
+        self._overhead = _CostModel(self.grid, self.window)
+
+    def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
+                overhead_seconds: float) -> None:
+        """Learns from one step: a best-first tree of `tree_size` tokens whose accepted non-root nodes
+        had these ranks; every grid budget b <= tree_size would have accepted sum(r < b)."""
+        if tree_size < 1 or any(not 1 <= r < tree_size for r in path_ranks):
+            raise ValueError(f"path ranks must lie in [1, {tree_size}) for a tree of {tree_size} "
+                             f"tokens, got {path_ranks}")
+        for b, mean in zip(self.grid, self._accepted):
+            if b <= tree_size:
+                mean.add(sum(r < b for r in path_ranks), self._step)
+        # Times are differences of clock readings; rounding may make them a hair below zero.
+        if tree_size > 1:
+            self._draft.add(tree_size, max(draft_seconds, 0.0), self._step)
+        self._overhead.add(tree_size, max(overhead_seconds, 0.0), self._step)
+        self._step += 1
+
+    def choose(self) -> int:
+        """The grid budget with the highest expected rate (the smaller on ties); the prior until a
+        tree of >= 2 tokens has been observed."""
+        if len(self.grid) < 2 or not self._accepted[1].count:
+            self.last_choice = self.prior_budget()
+            return self.last_choice
+        best = max(self.estimates(), key=lambda e: (e["rate"], -e["budget"]))
+        self.last_choice = best["budget"]
+        return self.last_choice
+
+    def prior_budget(self) -> int:
+        """The largest grid budget whose pass costs <= prior_time_factor * t(1), at least 2."""
+        limit = self.prior_time_factor * self.curve.seconds(1)
+        fitting = [b for b in self.grid if self.curve.seconds(b) <= limit]
+        return max(fitting + [min(2, self.max_budget)])
+
+    def estimates(self) -> list[dict]:
+        """Per grid budget: expected accepted length, pass/draft/overhead seconds and tokens/second."""
+        draft, overhead = self._draft.curve(), self._overhead.curve()
+        rows = []
+        for b, accepted in zip(self.grid, self.expected_accepted()):
+            pass_seconds = self.curve.seconds(b)
+            draft_seconds = draft.seconds(b) if draft and b > 1 else 0.0
+            overhead_seconds = overhead.seconds(b) if overhead else 0.0
+            total = pass_seconds + draft_seconds + overhead_seconds
+            rows.append({"budget": b, "accepted": accepted, "pass_seconds": pass_seconds,
+                         "draft_seconds": draft_seconds, "overhead_seconds": overhead_seconds,
+                         "rate": (accepted + 1) / total if total > 0 else math.inf})
+        return rows
+
+    def expected_accepted(self) -> list[float]:
+        """A(b) per grid budget: observed means up to the frontier, optimistic extrapolation above."""
+        known = [i for i, mean in enumerate(self._accepted) if mean.count]
+        if not known:
+            return [0.0] * len(self.grid)
+        recent = [i for i in known if self._step - self._accepted[i].last_step <= self.window]
+        frontier = max(recent) if recent and max(recent) >= 1 else max(known)
+        values = [mean.value for mean in self._accepted]
+        gain = 0.0
+        if frontier >= 1:
+            lower, upper = self.grid[frontier - 1], self.grid[frontier]
+            gain = max(0.0, values[frontier] - values[frontier - 1]) / math.log2(upper / lower)
+        estimates = values[:frontier + 1]
+        for i in range(frontier + 1, len(self.grid)):
+            extrapolated = values[frontier] + gain * math.log2(self.grid[i] / self.grid[frontier])
+            stale = values[i] if self._accepted[i].count else 0.0
+            estimates.append(min(max(extrapolated, stale), self.grid[i] - 1))
+        return estimates

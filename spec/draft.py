@@ -1,0 +1,152 @@
+"""Drafts at run time: our distilled draft folders and any ordinary model sharing the target's tokenizer.
+
+A distilled draft is an ordinary DecoderModel whose LM head covers K target tokens: `forward` returns
+logits over the full target vocabulary (out-of-set tokens at -inf, so zero probability) and plugs into
+everything that runs a model (`cli.py run --target DRAFT_DIR`); `forward_trimmed` returns the K-row
+logits that speculation needs. `Draft` hands tree growth the same view of either kind: log-probabilities
+over K rows and the target id of each row. Drafts stay resident on the compute device.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offload import DecoderModel, ForwardOutput, KVCache, LoadedModel, LoadOptions, Tokenizer, load_model
+from offload.budgets import default_device_budget
+from offload.config import ModelConfig
+from offload.devices import choose_device, choose_draft_dtype
+from offload.loader import stop_token_ids
+from offload.packing import LayerLayout
+from offload.planner import PlanRequest, make_plan
+from offload.resident import to_device
+from offload.sources import resolve_model
+from offload.stream import StreamingLayers
+from .draft_folder import is_draft_folder, read_draft_info, read_draft_tensors, target_embedding
+from .tokenizer_match import check_tokenizers_match
+from .vocab_map import expand_to_target_vocab
+
+DEFAULT_TARGET_DRAFT = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"  # ships in the package
+
+
+class DraftDecoderModel(DecoderModel):
+    def __init__(self, config: ModelConfig, globals_: dict[str, Tensor], layers, device: torch.device,
+                 dtype: torch.dtype, vocab_map: Tensor, head_bias: Tensor) -> None:
+        super().__init__(config, globals_, layers, device, dtype)
+        self.vocab_map = vocab_map.to(device)                 # [K] target id of each head row
+        self.head_bias = head_bias.to(device=device, dtype=torch.float32)   # [K]
+
+    def forward_trimmed(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
+                        mask: Tensor | None = None, return_hidden: bool = False,
+                        last_only: bool = False, keep_pending: bool = False) -> ForwardOutput:
+        """As DecoderModel.forward, with logits [B, N, K] over the draft's rows (map: self.vocab_map)."""
+        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only, keep_pending)
+        return ForwardOutput(out.logits + self.head_bias, out.hidden)
+
+    def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None,
+                return_hidden: bool = False, last_only: bool = False, keep_pending: bool = False) -> ForwardOutput:
+        """logits [B, N, V] over target ids; tokens outside the draft's vocabulary get -inf."""
+        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only, keep_pending)
+        return ForwardOutput(expand_to_target_vocab(out.logits, self.vocab_map, self.config.vocab_size), out.hidden)
+
+
+def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None,
+               target_folder: str | Path | None = None) -> LoadedModel:
+    """Loads the draft folder `options.model` like load_model loads a model, in choose_draft_dtype's dtype.
+    The token embedding is `embed` when given (the running target's), else read from the draft's target."""
+    folder = Path(options.model).expanduser()
+    info = read_draft_info(folder)
+    config = ModelConfig.from_file(folder)
+    device = choose_device(options.device)
+    dtype = choose_draft_dtype(options.dtype, device)
+    layer_tensors, stored = read_draft_tensors(folder, config)
+    if embed is None:
+        if on_status:
+            on_status(f"draft {folder.name}: reading the token embedding of its target ({info.target})")
+        embed = target_embedding(info, folder, target_folder)
+    # Looked-up embedding rows are cast to the compute dtype, so the table stays in its own dtype: a
+    # running target's is shared, not copied.
+    globals_ = {"embed": embed.to(device), **to_device({"norm": stored["norm"], "lm_head": stored["lm_head"]},
+                                                       device, dtype)}
+    global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
+    layout = LayerLayout.from_tensors(layer_tensors[0], dtype)
+    plan = make_plan(PlanRequest(
+        config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
+        device_budget=options.gpu_mem or default_device_budget(device), host_budget=options.ram or 1,
+        max_context=options.max_context, max_tree=options.max_pass_tokens, dtype_bytes=dtype.itemsize,
+        ring_size=options.ring_size, device_is_cpu=device.type == "cpu"))
+    if any(tier != "device" for tier in plan.tier_of):
+        raise ValueError(f"draft {folder} does not fit the device budget; a draft must stay resident")
+    resident = {i: to_device(layer, device, dtype) for i, layer in enumerate(layer_tensors)}
+    layers = StreamingLayers(layout, resident, plan.tier_of, None, None, device, options.ring_size)
+    model = DraftDecoderModel(config, globals_, layers, device, dtype, stored["vocab_map"], stored["head_bias"])
+    tokenizer = Tokenizer(folder)
+    return LoadedModel(folder, config, tokenizer, model, layers, plan, stop_token_ids(folder, config, tokenizer),
+                       global_bytes)
+
+
+def default_draft_for(target: str | None) -> Path | None:
+    """The shipped draft for a target spec (None / "default": the embedded model), if one exists."""
+    if target not in (None, "default"):
+        return None
+    return DEFAULT_TARGET_DRAFT if (DEFAULT_TARGET_DRAFT / "config.json").exists() else None
+
+
+class Draft:
+    """What tree growth needs of a draft: log-probabilities over its K output rows and each row's target id."""
+
+    def __init__(self, loaded: LoadedModel, target_vocab_size: int) -> None:
+        self.loaded, self.model = loaded, loaded.model
+        self.is_trimmed = isinstance(loaded.model, DraftDecoderModel)
+        if self.is_trimmed:
+            self.vocab_map = loaded.model.vocab_map                                  # [K]
+        else:   # padded embedding tables may differ in size; ids past the shared range never occur
+            rows = min(loaded.config.vocab_size, target_vocab_size)
+            self.vocab_map = torch.arange(rows, device=loaded.model.device)
+        self.num_rows = self.vocab_map.numel()
+
+    @property
+    def path(self) -> Path:
+        return self.loaded.path
+
+    @property
+    def device_bytes(self) -> int:
+        """Weights on the device; a distilled draft's embedding is the target's, counted there."""
+        embed = self.model.embed
+        shared = embed.numel() * embed.element_size() if self.is_trimmed else 0
+        return self.loaded.device_bytes - shared
+
+    def log_probs(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
+                  mask: Tensor | None = None, last_only: bool = False, keep_pending: bool = False) -> Tensor:
+        """tokens [1, N] -> [N, K] float32 log-probabilities over the draft's rows (or [1, K] last_only)."""
+        forward = self.model.forward_trimmed if self.is_trimmed else self.model.forward
+        logits = forward(tokens, cache, positions, mask, last_only=last_only, keep_pending=keep_pending).logits
+        logits = logits[..., :self.num_rows]
+        return torch.log_softmax(logits[0].float(), dim=-1)
+
+    def close(self) -> None:
+        self.loaded.layers.close()
+
+
+def load_any_draft(spec: str | Path, target: LoadedModel, options: LoadOptions, on_status=None) -> Draft:
+    """A draft for `target`: a distilled draft folder (sharing the target's embedding) or any model the
+    runtime loads (HF folder, .gguf, Hub id) with the target's tokenizer, kept wholly on the device."""
+    folder = Path(spec).expanduser()
+    if is_draft_folder(folder):
+        check_tokenizers_match(target.path, folder)
+        loaded = load_draft(_draft_options(options, str(folder)), on_status, embed=target.model.embed)
+        return Draft(loaded, target.config.vocab_size)
+    folder = resolve_model(str(spec), options.allow_download, on_status)
+    check_tokenizers_match(target.path, folder)
+    loaded = load_model(_draft_options(options, str(folder)), on_status)
+    if any(tier != "device" for tier in loaded.plan.tier_of):
+        loaded.layers.close()
+        raise ValueError(f"draft {spec} does not fit the device budget; a draft must stay resident "
+                         f"({loaded.plan.tier_of.count('device')} of {len(loaded.plan.tier_of)} layers fit)")
+    return Draft(loaded, target.config.vocab_size)
+
+
+def _draft_options(options: LoadOptions, model: str) -> LoadOptions:
+    return LoadOptions(model, options.device, options.dtype, options.allow_download, gpu_mem=options.gpu_mem,
+                       ram=options.ram, max_context=options.max_context, max_pass_tokens=options.max_pass_tokens)

@@ -1,0 +1,160 @@
+"""Tree growth: SpecExec-style batched best-first search on cumulative draft log-probability.
+
+Each round expands the best open nodes in one draft forward (their ancestors' keys and values are
+already pending in the draft's cache, so a round costs one pass over the new nodes only); each
+expanded node proposes its top children; only the global top `budget` nodes survive. A child's
+log-probability never exceeds its parent's, so the survivors form a tree, and the threshold to enter
+only rises: growth stops when no open node could have a child that enters, or at the depth cap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offload import KVCache
+from .draft import Draft
+from .tree import Tree
+
+NOT_EXPANDED = -1
+MAX_WIDTH, MAX_CHILDREN, MAX_DEPTH = 128, 32, 32
+
+
+@dataclass(slots=True)
+class GrowthConfig:
+    budget: int                      # tree tokens, root included (1: the root alone, no draft work)
+    max_width: int | None = None     # nodes expanded per draft forward (None: by budget)
+    max_children: int = MAX_CHILDREN # children each expanded node proposes
+    max_depth: int = MAX_DEPTH
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"tree budget must be >= 1, got {self.budget}")
+        if (self.max_width is not None and self.max_width < 1) or self.max_children < 1 or self.max_depth < 0:
+            raise ValueError("tree width and children must be >= 1, depth >= 0")
+
+    @classmethod
+    def chain(cls, budget: int) -> "GrowthConfig":
+        """A plain chain: one node expanded per round, one child each."""
+        return cls(budget, max_width=1, max_children=1, max_depth=budget - 1)
+
+    @property
+    def width(self) -> int:
+        # Wide rounds cost draft compute on nodes that may later drop out; narrow ones cost rounds.
+        return self.max_width or max(1, min(MAX_WIDTH, self.budget // 8))
+
+
+class _Pool:
+    """The growing tree: parents precede children; `slots` is each node's draft cache slot once it
+    has been expanded (the root's keys are committed, so it has none)."""
+
+    def __init__(self, root_token: int, device: torch.device) -> None:
+        self.tokens = torch.tensor([root_token], device=device)
+        self.parents = torch.tensor([-1], device=device)
+        self.depths = torch.zeros(1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(1, device=device)
+        self.slots = torch.full((1,), NOT_EXPANDED - 1, device=device)   # root: expanded, no slot
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def add_children(self, parents: Tensor, logq: Tensor, vocab_map: Tensor, num_children: int) -> None:
+        """parents [W] node indices; logq [W, K] draft log-probabilities at each."""
+        top = logq.topk(min(num_children, logq.shape[1]), dim=-1)                  # [W, C]
+        count = top.values.numel()
+        self.tokens = torch.cat((self.tokens, vocab_map[top.indices].reshape(-1)))
+        self.parents = torch.cat((self.parents, parents[:, None].expand_as(top.indices).reshape(-1)))
+        self.depths = torch.cat((self.depths, (self.depths[parents] + 1)[:, None].expand_as(top.indices).reshape(-1)))
+        self.logprobs = torch.cat((self.logprobs, (self.logprobs[parents][:, None] + top.values).reshape(-1)))
+        self.slots = torch.cat((self.slots, self.slots.new_full((count,), NOT_EXPANDED)))
+
+    def prune(self, budget: int) -> None:
+        """Keeps the `budget` best nodes (the root is always best: log-probability 0), minus any whose
+        parent lost a tie at the threshold."""
+        if self.size <= budget:
+            return
+        keep = torch.zeros(self.size, dtype=torch.bool, device=self.tokens.device)
+        keep[0] = True
+        keep[1 + self.logprobs[1:].topk(budget - 1).indices] = True
+        for depth in range(1, int(self.depths.max()) + 1):
+            level = self.depths == depth
+            keep[level] &= keep[self.parents[level]]
+        self.select(keep.nonzero().squeeze(1))
+
+    def select(self, order: Tensor) -> None:
+        """Keeps the nodes `order` (parents listed before children) in that order."""
+        new_index = torch.full((self.size,), -1, dtype=torch.long, device=order.device)
+        new_index[order] = torch.arange(order.numel(), device=order.device)
+        parents = self.parents[order]
+        self.parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        self.tokens, self.depths = self.tokens[order], self.depths[order]
+        self.logprobs, self.slots = self.logprobs[order], self.slots[order]
+
+    def open_nodes(self, budget: int, width: int, max_depth: int) -> Tensor:
+        """Up to `width` best nodes not yet expanded whose children could still enter the tree."""
+        candidates = (self.slots == NOT_EXPANDED) & (self.depths < max_depth)
+        if self.size >= budget:
+            candidates &= self.logprobs > self.logprobs.min()
+        scores = torch.where(candidates, self.logprobs, float("-inf"))
+        count = min(width, int(candidates.sum()))
+        return scores.topk(count).indices if count else scores.new_empty(0, dtype=torch.long)
+
+    def best_first(self) -> tuple[Tree, Tensor]:
+        """(the tree sorted by decreasing log-probability, each node's draft slot)."""
+        by_depth = torch.argsort(self.depths, stable=True)
+        order = by_depth[torch.argsort(-self.logprobs[by_depth], stable=True)]
+        self.select(order)
+        return Tree(self.tokens, self.parents, self.depths, self.logprobs), self.slots
+
+
+class TreeGrower:
+    """Grows trees with a resident draft whose cache holds the committed sequence up to the root."""
+
+    def __init__(self, draft: Draft, cache: KVCache) -> None:
+        self.draft, self.cache = draft, cache
+        self.num_draft_forwards = 0
+
+    def grow(self, root_token: int, root_logprobs: Tensor, root_position: int,
+             config: GrowthConfig) -> tuple[Tree, Tensor]:
+        """root_logprobs [K]: the draft at the root. -> (tree in best-first order, [N] draft slots)."""
+        pool = _Pool(root_token, root_logprobs.device)
+        if config.budget == 1 or config.max_depth == 0:
+            return pool.best_first()
+        vocab_map = self.draft.vocab_map
+        pool.add_children(torch.zeros(1, dtype=torch.long, device=pool.tokens.device), root_logprobs[None],
+                          vocab_map, min(config.max_children, config.budget - 1))
+        pool.prune(config.budget)
+        while True:
+            chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
+            if chosen.numel() == 0 or self.cache.num_slots + chosen.numel() > self.cache.max_length:
+                break
+            logq = self._expand(pool, chosen, root_position)
+            pool.add_children(chosen, logq, vocab_map, min(config.max_children, config.budget - 1))
+            pool.prune(config.budget)
+        return pool.best_first()
+
+    def _expand(self, pool: _Pool, chosen: Tensor, root_position: int) -> Tensor:
+        """One draft forward over the chosen nodes -> [W, K] log-probabilities of their children."""
+        first_slot = self.cache.num_slots
+        mask = self._mask(pool, chosen)
+        positions = (root_position + pool.depths[chosen])[None]
+        logq = self.draft.log_probs(pool.tokens[chosen][None], self.cache, positions, mask, keep_pending=True)
+        pool.slots[chosen] = first_slot + torch.arange(chosen.numel(), device=chosen.device)
+        self.num_draft_forwards += 1
+        return logq
+
+    def _mask(self, pool: _Pool, chosen: Tensor) -> Tensor:
+        """[W, slots + W] bool: the committed sequence, each chosen node's expanded ancestors, itself."""
+        width, num_slots = chosen.numel(), self.cache.num_slots
+        mask = torch.zeros(width, num_slots + width, dtype=torch.bool, device=chosen.device)
+        mask[:, :self.cache.length] = True
+        rows = torch.arange(width, device=chosen.device)
+        mask[rows, num_slots + rows] = True
+        ancestor = pool.parents[chosen]
+        while bool((ancestor > 0).any()):        # node 0, the root, is in the committed part
+            inner = ancestor > 0
+            mask[rows[inner], pool.slots[ancestor[inner]]] = True
+            ancestor = torch.where(inner, pool.parents[ancestor.clamp(min=0)], ancestor)
+        return mask

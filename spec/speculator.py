@@ -1,0 +1,73 @@
+"""The draft side of speculation: a resident draft with its own KV cache, kept in step with the target.
+
+Invariant between steps: the draft's committed tokens are a prefix of the target's committed tokens
+(plus nothing pending). Before growing, the draft catches up on what it has not seen, up to and
+including the root; after verification it commits the accepted nodes it had expanded, so the next
+catch-up is usually one or two tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from .draft import Draft
+from .grow import GrowthConfig, TreeGrower
+from .tree import Tree
+
+
+class Speculator:
+    def __init__(self, draft: Draft, max_context: int, max_budget: int, max_pass_tokens: int = 512) -> None:
+        self.draft, self.max_pass_tokens = draft, max_pass_tokens
+        # Room for the committed sequence plus every node a tree of max_budget expands, with slack for
+        # expanded nodes that later drop out (growth stops before overflowing it).
+        self.cache = draft.model.new_cache(max_context + 2 * max_budget + 256)
+        self.cached_ids: list[int] = []
+        self.grower = TreeGrower(draft, self.cache)
+        self.forward_seconds = 0.0        # draft compute of the last propose (catch-up + growth)
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.cached_ids = []
+
+    def discard_pending(self) -> None:
+        """After an interrupted step: forget the tree; committed tokens stay valid (if the interrupt
+        fell between a commit and its bookkeeping, start over: the next catch-up refills the cache)."""
+        if len(self.cached_ids) != self.cache.length:
+            self.reset()
+        self.cache.truncate(self.cache.length)
+
+    def propose(self, committed_ids: list[int], root: int, config: GrowthConfig) -> tuple[Tree, Tensor]:
+        """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node)."""
+        start = time.perf_counter()
+        root_logprobs = self._catch_up(committed_ids + [root])
+        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config)
+        self.draft.model.synchronize()
+        self.forward_seconds = time.perf_counter() - start
+        return tree, slots
+
+    def accept(self, tree: Tree, slots: Tensor, path: list[int]) -> None:
+        """Commits the draft's keys of the accepted non-root nodes it expanded (a prefix of the path)."""
+        nodes = [node for node in path[1:] if int(slots[node]) >= 0]
+        kept = [int(slots[node]) - self.cache.length for node in nodes]
+        self.cache.commit(kept)
+        self.cached_ids.extend(tree.tokens[nodes].tolist())
+
+    def _catch_up(self, sequence: list[int]) -> Tensor:
+        """Brings the committed draft cache to `sequence` -> [K] draft log-probabilities after it."""
+        common = 0
+        for seen, wanted in zip(self.cached_ids, sequence):
+            if seen != wanted:
+                break
+            common += 1
+        common = min(common, len(sequence) - 1)      # the last token is fed again for its log-probs
+        self.cache.truncate(common)
+        del self.cached_ids[common:]
+        rest = sequence[common:]
+        for begin in range(0, len(rest), self.max_pass_tokens):
+            chunk = rest[begin:begin + self.max_pass_tokens]
+            logprobs = self.draft.log_probs(torch.tensor([chunk]), self.cache, last_only=True)
+            self.cache.commit()
+            self.cached_ids.extend(chunk)
+        return logprobs[-1]

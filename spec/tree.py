@@ -1,0 +1,85 @@
+"""A token tree for one speculative step: node 0 is the root (the last emitted token, not yet seen by the
+target); every other node is a draft guess following its parent. Parents precede children.
+
+Grown trees come in best-first order: nodes sorted by cumulative draft log-probability, so a node's
+index is its rank and the first b nodes form the tree a budget of b would have grown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class Tree:
+    tokens: Tensor       # [N] int64 target token ids
+    parents: Tensor      # [N] int64 index of the parent, -1 for the root
+    depths: Tensor       # [N] int64, the root at 0
+    logprobs: Tensor     # [N] float32 cumulative draft log-probability of the path root -> node (root 0)
+
+    def __post_init__(self) -> None:
+        size = self.tokens.shape[0]
+        if size == 0 or any(t.shape != (size,) for t in (self.parents, self.depths, self.logprobs)):
+            raise ValueError("a tree needs one token, parent, depth and log-probability per node, root first")
+        if int(self.parents[0]) != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        later = self.parents[1:]
+        if size > 1 and not bool(((later >= 0) & (later < torch.arange(1, size, device=later.device))).all()):
+            raise ValueError("every node but the root needs a parent that precedes it")
+
+    @classmethod
+    def root_only(cls, token: int, device: torch.device | None = None) -> "Tree":
+        def one(value, dtype):
+            return torch.tensor([value], dtype=dtype, device=device)
+        return cls(one(token, torch.long), one(-1, torch.long), one(0, torch.long), one(0.0, torch.float32))
+
+    @classmethod
+    def from_parents(cls, tokens: list[int], parents: list[int], logprobs: list[float] | None = None) -> "Tree":
+        """A hand-made tree (tests, tools): depths follow from the parents."""
+        depths = [0] * len(tokens)
+        for node, parent in enumerate(parents):
+            depths[node] = depths[parent] + 1 if parent >= 0 else 0
+        return cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                   torch.tensor(logprobs if logprobs is not None else [0.0] * len(tokens), dtype=torch.float32))
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def positions(self, root_position: int) -> Tensor:
+        """[1, N] position ids: the root's position plus each node's depth."""
+        return (root_position + self.depths)[None]
+
+    def ancestor_mask(self) -> Tensor:
+        """[N, N] bool: node i may attend to node j when j is i itself or one of its ancestors.
+        Built by following parent pointers one level per round: O(N x depth), nothing kept between steps."""
+        size = self.num_nodes
+        rows = torch.arange(size, device=self.parents.device)
+        mask = torch.zeros(size, size, dtype=torch.bool, device=self.parents.device)
+        mask[rows, rows] = True
+        current = self.parents
+        for _ in range(self.max_depth):
+            has_parent = current >= 0
+            mask[rows[has_parent], current[has_parent]] = True
+            current = torch.where(has_parent, self.parents[current.clamp(min=0)], current)
+        return mask
+
+    def attention_mask(self, num_cached: int) -> Tensor:
+        """[N, num_cached + N] bool for the target pass: every node sees the whole cache, its
+        ancestors and itself."""
+        past = torch.ones(self.num_nodes, num_cached, dtype=torch.bool, device=self.parents.device)
+        return torch.cat((past, self.ancestor_mask()), dim=1)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices root -> node."""
+        parents = self.parents.tolist()
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]

@@ -1,0 +1,173 @@
+"""Speculative decoding on tiny random pairs saved as ordinary model folders: greedy output is token for
+token the target's own greedy output for every seed, budget, tree shape and tier; stops land where
+target-only decoding stops; Ctrl-C mid-growth or mid-verification leaves both caches usable."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint
+from offload import LoadOptions, load_model
+from spec import DecodeConfig, Decoder, FixedBudget, GrowthConfig, SamplingConfig, Speculator, load_any_draft
+
+VOCAB = 48
+CONTEXT = 160
+
+
+def perturbed_copy(source, target, noise: float, seed: int):
+    """A draft: the target's weights plus relative noise (noise 0: the target itself)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, target / item.name)
+    generator = torch.Generator().manual_seed(seed)
+    for weights in source.glob("*.safetensors"):
+        tensors = load_file(weights)
+        tensors = {k: t + noise * t.std() * torch.randn(t.shape, generator=generator) for k, t in tensors.items()}
+        save_file(tensors, target / weights.name, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """seed -> (target folder, close draft folder, far draft folder)."""
+    made = {}
+
+    def get(seed: int):
+        if seed not in made:
+            root = tmp_path_factory.mktemp(f"pair{seed}")
+            target, _ = make_tiny_checkpoint(root / "target", "llama", seed=seed, vocab_size=VOCAB,
+                                             num_hidden_layers=3)
+            add_tiny_tokenizer(target, VOCAB)
+            made[seed] = (target, perturbed_copy(target, root / "close", 0.15, seed),
+                          perturbed_copy(target, root / "far", 1.0, seed))
+        return made[seed]
+
+    return get
+
+
+def load_pair(target_folder, draft_folder, tier="device"):
+    options = LoadOptions(str(target_folder), device="cpu", dtype="fp32", max_context=CONTEXT, max_pass_tokens=64)
+    if tier != "device":
+        probe = load_model(options)
+        layer_bytes = probe.plan.request.layer_bytes
+        fixed = sum(i.num_bytes for i in probe.plan.items if "layers" not in i.component)
+        probe.layers.close()
+        ring = 2 * layer_bytes                       # no layer resident: all three stream through the ring
+        options.gpu_mem, options.ram = fixed + ring + layer_bytes // 2, (1 if tier == "disk" else 100 * layer_bytes)
+    target = load_model(options)
+    assert tier == "device" or tier in target.plan.tier_of
+    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=CONTEXT))
+    return target, draft
+
+
+def decode(target, draft, prompt, budget, max_new=20, growth=None, sampling=None, stop_ids=None):
+    config = DecodeConfig(max_new, CONTEXT, max_pass_tokens=64, **(growth or {}))
+    speculator = Speculator(draft, CONTEXT, max(budget, 1), 64) if draft else None
+    decoder = Decoder(target.model, target.stop_ids if stop_ids is None else stop_ids, config, speculator,
+                      FixedBudget(budget))
+    return decoder, decoder.generate(prompt, sampling or SamplingConfig())
+
+
+PROMPTS = [[3, 9, 27, 5], [11, 2, 40, 40, 7, 1, 19], [6]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_speculation_equals_target_greedy_for_every_budget(pairs, seed):
+    target_folder, close, far = pairs(seed)
+    for draft_folder in (close, far):
+        target, draft = load_pair(target_folder, draft_folder)
+        for prompt in PROMPTS:
+            _, reference = decode(target, None, prompt, 1)
+            for budget in (1, 2, 3, 5, 8, 13, 32, 64):
+                _, result = decode(target, draft, prompt, budget)
+                assert result.token_ids == reference.token_ids, (seed, draft_folder.name, prompt, budget)
+                assert result.stats.stop_reason == reference.stats.stop_reason
+
+
+def test_speculation_accepts_tokens_from_a_good_draft(pairs):
+    target_folder, close, _ = pairs(0)
+    target, draft = load_pair(target_folder, close)
+    _, result = decode(target, draft, PROMPTS[0], 32, max_new=40, stop_ids=set())
+    assert result.stats.tokens_per_pass > 2.0 and result.stats.num_steps < 20
+    target, itself = load_pair(target_folder, target_folder)      # the target as its own draft
+    chain = {"max_width": 1, "max_children": 1, "max_depth": 15}      # near-uniform guesses: go deep, not wide
+    _, perfect = decode(target, itself, PROMPTS[0], 16, max_new=40, stop_ids=set(), growth=chain)
+    assert perfect.stats.tokens_per_pass > 10
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_streamed_targets_give_the_same_tokens(pairs, tier):
+    target_folder, close, _ = pairs(1)
+    resident, draft = load_pair(target_folder, close)
+    streamed, streamed_draft = load_pair(target_folder, close, tier)
+    for budget in (1, 4, 16, 64):
+        _, expected = decode(resident, draft, PROMPTS[1], budget)
+        _, got = decode(streamed, streamed_draft, PROMPTS[1], budget)
+        assert got.token_ids == expected.token_ids, (tier, budget)
+    streamed.layers.close()
+
+
+@pytest.mark.parametrize("growth", [{"max_width": 1, "max_children": 1}, {"max_width": 64, "max_children": 2},
+                                    {"max_width": 2, "max_children": 32, "max_depth": 3}])
+def test_tree_shapes_do_not_change_the_output(pairs, growth):
+    target_folder, close, _ = pairs(2)
+    target, draft = load_pair(target_folder, close)
+    _, reference = decode(target, None, PROMPTS[0], 1, max_new=30)
+    _, result = decode(target, draft, PROMPTS[0], 24, max_new=30, growth=growth)
+    assert result.token_ids == reference.token_ids
+
+
+def test_stop_tokens_and_length_inside_an_accepted_path_end_where_target_decoding_does(pairs):
+    target_folder, _, _ = pairs(3)
+    target, itself = load_pair(target_folder, target_folder)    # every draft token is accepted
+    _, free = decode(target, None, PROMPTS[0], 1, max_new=30, stop_ids=set())
+    stop = free.token_ids[7]
+    for max_new in (1, 2, 5, 13):
+        _, reference = decode(target, None, PROMPTS[0], 1, max_new=max_new, stop_ids={stop})
+        decoder, result = decode(target, itself, PROMPTS[0], 16, max_new=max_new, stop_ids={stop})
+        assert result.token_ids == reference.token_ids and result.stats.stop_reason == reference.stats.stop_reason
+        assert decoder.cache.length == len(decoder.cached_ids)
+
+
+def test_tree_shrinks_near_the_end_of_the_context(pairs):
+    target_folder, close, _ = pairs(4)
+    target, draft = load_pair(target_folder, close)
+    prompt = list(range(1, 41)) * 3 + [5] * 30          # 150 of the 160 context tokens
+    _, reference = decode(target, None, prompt, 1, max_new=40, stop_ids=set())
+    decoder, result = decode(target, draft, prompt, 64, max_new=40, stop_ids=set())
+    assert result.token_ids == reference.token_ids and result.stats.stop_reason == "context"
+    assert max(result.stats.budgets) == CONTEXT - 1 - len(prompt) and decoder.cache.length == CONTEXT - 1
+
+
+class Interrupter:
+    """Raises KeyboardInterrupt on the n-th call of a wrapped forward."""
+
+    def __init__(self, forward, at_call: int):
+        self.forward, self.at_call, self.calls = forward, at_call, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise KeyboardInterrupt
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where, at_call", [("draft", 3), ("draft", 6), ("target", 3), ("target", 5)])
+def test_ctrl_c_mid_growth_or_verification_leaves_both_caches_consistent(pairs, where, at_call, monkeypatch):
+    target_folder, close, _ = pairs(5)
+    target, draft = load_pair(target_folder, close)
+    _, reference = decode(target, None, PROMPTS[2], 1, max_new=16)
+    config = DecodeConfig(16, CONTEXT, max_pass_tokens=64)
+    decoder = Decoder(target.model, target.stop_ids, config, Speculator(draft, CONTEXT, 16, 64), FixedBudget(16))
+    model = draft.model if where == "draft" else target.model
+    interrupter = Interrupter(model.forward, at_call)
+    monkeypatch.setattr(model, "forward", interrupter)
+    with pytest.raises(KeyboardInterrupt):
+        decoder.generate(PROMPTS[0], SamplingConfig())
+    monkeypatch.undo()
+    assert decoder.cache.num_pending == 0 and decoder.cache.length == len(decoder.cached_ids)
+    speculator = decoder.speculator
+    assert speculator.cache.num_pending == 0 and speculator.cache.length == len(speculator.cached_ids)
+    assert decoder.generate(PROMPTS[2], SamplingConfig()).token_ids == reference.token_ids

@@ -1,0 +1,150 @@
+"""Trees by hand: positions and masks from parent indices, acceptance, and growth against a brute-force
+best-first search over a tiny real draft."""
+import math
+
+import pytest
+import torch
+
+from offload.masks import tree_mask
+from spec import ExactMatch, GrowthConfig, Tree, TreeGrower, Verdict, accepted_path
+from spec.draft import Draft
+from spec.verify import matches_target
+from conftest import add_tiny_tokenizer
+
+#        0
+#      /   \
+#     1     2
+#    / \     \
+#   3   4     5
+#   |
+#   6
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+TOKENS = [10, 11, 12, 13, 14, 15, 16]
+
+
+def brute_force_ancestors(parents):
+    size = len(parents)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for node in range(size):
+        walk = node
+        while walk >= 0:
+            mask[node, walk] = True
+            walk = parents[walk]
+    return mask
+
+
+def test_positions_and_masks_follow_from_parents():
+    tree = Tree.from_parents(TOKENS, PARENTS)
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.positions(40).tolist() == [[40, 41, 41, 42, 42, 42, 43]]
+    assert torch.equal(tree.ancestor_mask(), brute_force_ancestors(PARENTS))
+    full = tree.attention_mask(5)
+    assert full.shape == (7, 12) and full[:, :5].all()
+    assert torch.equal(full, tree_mask(torch.tensor(PARENTS), 5))      # the landed reference builder
+    assert tree.path_to(6) == [0, 1, 3, 6] and tree.path_to(0) == [0]
+
+
+@pytest.mark.parametrize("parents, fragment", [([0, 0], "root"), ([-1, 2, 0], "precedes"), ([-1, -1], "precedes")])
+def test_malformed_trees_are_refused(parents, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Tree.from_parents(list(range(len(parents))), parents)
+
+
+def test_greedy_acceptance_takes_the_longest_matching_path():
+    tree = Tree.from_parents(TOKENS, PARENTS)
+    # target's choice at each node: at root 11 (node 1), at 1 -> 13 (node 3), at 3 -> 16 (node 6), at 6 -> 99
+    choices = torch.tensor([11, 13, 0, 16, 0, 0, 99])
+    ok = ExactMatch().accept(tree, Verdict(choices, None))
+    assert ok.tolist() == [True, True, False, True, False, False, True]
+    assert accepted_path(tree, ok) == [0, 1, 3, 6]
+    # the root's choice matches no child: nothing accepted
+    assert accepted_path(tree, matches_target(tree, torch.tensor([77, 13, 0, 16, 0, 0, 0]))) == [0]
+    # a deep match under a rejected parent does not count
+    assert accepted_path(tree, matches_target(tree, torch.tensor([12, 13, 0, 16, 0, 0, 0]))) == [0, 2]
+
+
+def test_acceptance_ties_prefer_the_earlier_node():
+    tree = Tree.from_parents([1, 2, 3], [-1, 0, 0])
+    assert accepted_path(tree, torch.tensor([True, True, True])) == [0, 1]
+
+
+# Growth against brute force -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_checkpoint):
+    from offload import LoadOptions, load_model
+    folder, _ = tiny_checkpoint("llama", vocab_size=32)
+    add_tiny_tokenizer(folder, 32)
+    return Draft(load_model(LoadOptions(str(folder), device="cpu", dtype="fp32")), 32)
+
+
+def sequential_logprobs(draft, prefix, path):
+    """[K] draft log-probabilities after prefix + path, computed causally on a fresh cache."""
+    cache = draft.model.new_cache(64)
+    return draft.log_probs(torch.tensor([prefix + path]), cache, last_only=True)[-1]
+
+
+def brute_force_best(draft, prefix, root, budget, children, depth):
+    """The `budget` best nodes (root included) of the tree in which every node has its top `children`
+    draft tokens as children: (path tuple -> cumulative log-probability)."""
+    frontier, nodes = [((), 0.0)], {(): 0.0}
+    for _ in range(depth):
+        grown = []
+        for path, logp in frontier:
+            top = sequential_logprobs(draft, prefix, [root, *path]).topk(children)
+            grown += [((*path, int(t)), logp + float(v)) for v, t in zip(top.values, top.indices)]
+        nodes.update(grown)
+        frontier = grown
+    return dict(sorted(nodes.items(), key=lambda kv: -kv[1])[:budget])
+
+
+def grown_paths(tree: Tree) -> dict[tuple, float]:
+    out = {}
+    for node in range(tree.num_nodes):
+        path = tree.path_to(node)[1:]
+        out[tuple(int(tree.tokens[n]) for n in path)] = float(tree.logprobs[node])
+    return out
+
+
+@pytest.mark.parametrize("budget, width", [(2, 1), (6, 1), (12, 1), (12, 3), (20, 4)])
+def test_growth_matches_brute_force_best_first(tiny_draft, budget, width):
+    prefix, root, children, depth = [3, 7, 1, 9], 5, 3, 3
+    cache = tiny_draft.model.new_cache(128)
+    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
+    cache.commit()
+    grower = TreeGrower(tiny_draft, cache)
+    tree, slots = grower.grow(root, root_logprobs, len(prefix), GrowthConfig(budget, width, children, depth))
+    expected = brute_force_best(tiny_draft, prefix, root, budget, children, depth)
+    got = grown_paths(tree)
+    if width == 1:   # one node per round is exact best-first search
+        assert set(got) == set(expected)
+    assert len(got) == min(budget, len(got)) and tree.num_nodes <= budget
+    for path, logp in got.items():   # every node's log-probability is the causal one: masks and positions hold
+        reference = 0.0
+        for i in range(len(path)):
+            reference += float(sequential_logprobs(tiny_draft, prefix, [root, *path[:i]])[path[i]])
+        assert math.isclose(logp, reference, abs_tol=1e-4), path
+    assert torch.equal(tree.logprobs, tree.logprobs.sort(descending=True).values)   # best-first order
+    for node in range(1, tree.num_nodes):            # every parent (but the root) of a node was expanded
+        parent = int(tree.parents[node])
+        assert parent == 0 or int(slots[parent]) >= cache.length
+
+
+def test_chain_is_the_greedy_draft_continuation(tiny_draft):
+    prefix, root = [3, 7, 1, 9], 5
+    cache = tiny_draft.model.new_cache(128)
+    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
+    cache.commit()
+    tree, _ = TreeGrower(tiny_draft, cache).grow(root, root_logprobs, len(prefix), GrowthConfig.chain(5))
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+    greedy, sequence = [], [root]
+    for _ in range(4):
+        greedy.append(int(sequential_logprobs(tiny_draft, prefix, sequence).argmax()))
+        sequence.append(greedy[-1])
+    assert tree.tokens[1:].tolist() == greedy
+
+
+def test_budget_one_is_the_root_alone(tiny_draft):
+    cache = tiny_draft.model.new_cache(16)
+    tree, _ = TreeGrower(tiny_draft, cache).grow(5, torch.zeros(32).log_softmax(-1), 0, GrowthConfig(1))
+    assert tree.num_nodes == 1 and cache.num_pending == 0
