@@ -1,0 +1,110 @@
+"""Sampling with speculation is exact: on a tiny-vocabulary pair, the joint distribution of the first two
+tokens that tree steps emit matches the target's own, and the same test rejects a broken acceptance rule.
+
+Each run samples t1 at the prefill and then t2, t3 through speculative steps (trees of 6 nodes whose
+children are accepted often, so t2 and t3 usually come out of one tree). For every frequent t1 the
+counts of (t2, t3) are compared with n(t1) * p(t2 | t1) * p(t3 | t1, t2) from the target's own
+forward; the chi-square statistics of all t1 groups are summed. Significance level: 0.001 (a correct
+sampler fails this test once in a thousand seeds; the seeds are fixed, so the outcome is deterministic).
+"""
+import pytest
+import torch
+
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint
+from offload import LoadOptions, load_model
+from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, load_any_draft, probabilities
+from spec.verify import ExactMatch, matches_target
+from test_speculative import perturbed_copy
+
+VOCAB, RUNS, ALPHA, MIN_GROUP = 5, 2400, 1e-3, 200
+FIRST_SEED = 100_000    # seeds FIRST_SEED + 0..RUNS-1. Seed ranges from 0, 100k, ..., 500k gave
+# p = 0.0014, 0.74, 0.87, 0.47, 0.74, 0.42: uniform, as p is under a correct sampler
+PROMPT = [3, 1, 4, 1]
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95)
+
+
+class DraftFavouriteToo(ExactMatch):
+    """Broken on purpose: also accepts the draft's best child of every node, as if it were a target sample."""
+    is_lossless = False
+
+    def accept(self, tree, verdict):
+        ok = matches_target(tree, verdict.choices)
+        first_child = torch.ones_like(ok)
+        seen = set()
+        for node, parent in enumerate(tree.parents.tolist()):
+            first_child[node] = parent >= 0 and parent not in seen
+            seen.add(parent)
+        return ok | first_child
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    folder, _ = make_tiny_checkpoint(root / "target", "llama", seed=7, vocab_size=VOCAB, num_hidden_layers=2)
+    add_tiny_tokenizer(folder, VOCAB)
+    draft_folder = perturbed_copy(folder, root / "draft", 0.3, 7)
+    target = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32", max_context=32, max_pass_tokens=16))
+    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=32))
+    return target, draft
+
+
+def target_distribution(target, prefix: list[int]) -> torch.Tensor:
+    """[V] the distribution the target samples from after `prefix` (temperature and top-p applied)."""
+    cache = target.model.new_cache(32)
+    logits = target.model.forward(torch.tensor([prefix]), cache, last_only=True).logits[0, -1]
+    return probabilities(logits, SAMPLING)
+
+
+def sample_runs(target, draft, policy) -> tuple[list[list[int]], float]:
+    """(t1, t2, t3) of every run, and the share of runs whose first tree yielded both t2 and t3."""
+    config = DecodeConfig(3, 32, max_pass_tokens=16, max_children=3)
+    decoder = Decoder(target.model, set(), config, Speculator(draft, 32, 6, 16), FixedBudget(6), policy)
+    runs, num_both = [], 0
+    for seed in range(RUNS):
+        decoder.reset()
+        sampling = SamplingConfig(SAMPLING.temperature, SAMPLING.top_p, seed=FIRST_SEED + seed)
+        result = decoder.generate(PROMPT, sampling)
+        runs.append(result.token_ids)
+        num_both += result.stats.num_steps == 1
+    return runs, num_both / RUNS
+
+
+def chi_square_p_value(target, runs) -> tuple[float, int]:
+    """(p-value, degrees of freedom) of the summed chi-square over frequent t1 groups."""
+    statistic, dof = 0.0, 0
+    for t1 in range(VOCAB):
+        group = [run[1:] for run in runs if run[0] == t1]
+        if len(group) < MIN_GROUP:
+            continue
+        first = target_distribution(target, PROMPT + [t1])
+        expected = torch.stack([first[t2] * target_distribution(target, PROMPT + [t1, t2]) for t2 in range(VOCAB)])
+        observed = torch.zeros(VOCAB, VOCAB)
+        for t2, t3 in group:
+            observed[t2, t3] += 1
+        expected, observed = (expected * len(group)).flatten(), observed.flatten()
+        small = expected < 5                     # pooled into one cell, as the test requires
+        expected = torch.cat((expected[~small], expected[small].sum()[None]))
+        observed = torch.cat((observed[~small], observed[small].sum()[None]))
+        keep = expected > 0
+        assert (observed[~keep] == 0).all(), "a token the target never samples was emitted"
+        statistic += float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+        dof += int(keep.sum()) - 1
+    assert dof > 0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2))), dof
+
+
+def test_speculative_sampling_matches_the_target_distribution(pair):
+    target, draft = pair
+    runs, one_tree_share = sample_runs(target, draft, ExactMatch())
+    assert one_tree_share > 0.3          # the draft is good enough that trees, not bonus tokens, are tested
+    p_value, dof = chi_square_p_value(target, runs)
+    print(f"p = {p_value:.3g}, dof {dof}, one-tree share {one_tree_share:.2f}")
+    assert p_value > ALPHA, (p_value, dof)
+
+
+def test_the_same_test_rejects_a_broken_acceptance_rule(pair):
+    target, draft = pair
+    runs, _ = sample_runs(target, draft, DraftFavouriteToo())
+    p_value, dof = chi_square_p_value(target, runs)
+    print(f"broken rule: p = {p_value:.3g}, dof {dof}")
+    assert p_value < ALPHA, (p_value, dof)
