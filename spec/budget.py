@@ -200,8 +200,10 @@ class BudgetChooser:
     gain per doubling of the last grid segment below f (concave in b, capped at b - 1), or the stale
     mean where that is larger: optimism that makes the chooser try a bigger tree when it might pay
     and learn from it. Before any tree of >= 2 tokens is seen, it picks the prior: the largest grid
-    budget with t(b) <= prior_time_factor * t(1), at least 2. A chooser settled on budget 1 learns
-    nothing new and stays there."""
+    budget with t(b) <= prior_time_factor * t(1), at least 2; a chooser settled on budget 1 tries the
+    prior again once every `window` steps, so a conversation that turns predictable is noticed.
+    Pass times start from the probed curve; each grid bucket the decoder has run since is priced by
+    what its passes really took (a probe disturbed by a busy machine heals itself)."""
     curve: PassTimeCurve
     max_budget: int
     window: int = 32
@@ -211,7 +213,9 @@ class BudgetChooser:
     _accepted: list[_Mean] = field(init=False)
     _draft: _CostModel = field(init=False)
     _overhead: _CostModel = field(init=False)
+    _passes: _CostModel = field(init=False)
     _step: int = field(init=False, default=0)
+    _last_tree_step: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
         check_budget(self.max_budget)
@@ -222,9 +226,10 @@ class BudgetChooser:
         self._accepted = [_Mean(self.window) for _ in self.grid]
         self._draft = _CostModel(self.grid, self.window, anchor=(1.0, 0.0))
         self._overhead = _CostModel(self.grid, self.window)
+        self._passes = _CostModel(self.grid, self.window)
 
     def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
-                overhead_seconds: float) -> None:
+                overhead_seconds: float, target_seconds: float | None = None) -> None:
         """Learns from one step: a best-first tree of `tree_size` tokens whose accepted non-root nodes
         had these ranks; every grid budget b <= tree_size would have accepted sum(r < b)."""
         if tree_size < 1 or any(not 1 <= r < tree_size for r in path_ranks):
@@ -236,14 +241,18 @@ class BudgetChooser:
         # Times are differences of clock readings; rounding may make them a hair below zero.
         if tree_size > 1:
             self._draft.add(tree_size, max(draft_seconds, 0.0), self._step)
+            self._last_tree_step = self._step
         self._overhead.add(tree_size, max(overhead_seconds, 0.0), self._step)
+        if target_seconds is not None:
+            self._passes.add(tree_size, max(target_seconds, 0.0), self._step)
         self._step += 1
 
     def choose(self) -> int:
         """The grid budget with the highest expected rate (the smaller on ties); the prior until a
         tree of >= 2 tokens has been observed."""
-        if len(self.grid) < 2 or not self._accepted[1].count:
-            self.last_choice = self.prior_budget()
+        stale = self._last_tree_step < 0 or self._step - self._last_tree_step > self.window
+        if len(self.grid) < 2 or stale:
+            self.last_choice = self.prior_budget()       # nothing seen yet, or an exploration step
             return self.last_choice
         best = max(self.estimates(), key=lambda e: (e["rate"], -e["budget"]))
         self.last_choice = best["budget"]
@@ -260,7 +269,7 @@ class BudgetChooser:
         draft, overhead = self._draft.curve(), self._overhead.curve()
         rows = []
         for b, accepted in zip(self.grid, self.expected_accepted()):
-            pass_seconds = self.curve.seconds(b)
+            pass_seconds = self.pass_seconds(b)
             draft_seconds = draft.seconds(b) if draft and b > 1 else 0.0
             overhead_seconds = overhead.seconds(b) if overhead else 0.0
             total = pass_seconds + draft_seconds + overhead_seconds
@@ -268,6 +277,11 @@ class BudgetChooser:
                          "draft_seconds": draft_seconds, "overhead_seconds": overhead_seconds,
                          "rate": (accepted + 1) / total if total > 0 else math.inf})
         return rows
+
+    def pass_seconds(self, budget: int) -> float:
+        """t(budget): what passes of that grid bucket took lately, else the probed curve."""
+        observed = self._passes.costs.get(budget)
+        return observed.value if observed and observed.count else self.curve.seconds(budget)
 
     def expected_accepted(self) -> list[float]:
         """A(b) per grid budget: observed means up to the frontier, optimistic extrapolation above."""

@@ -50,7 +50,7 @@ class BudgetPolicy(Protocol):
     def choose(self) -> int: ...
 
     def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
-                overhead_seconds: float) -> None: ...
+                overhead_seconds: float, target_seconds: float | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class FixedBudget:
         return self.budget
 
     def observe(self, tree_size: int, path_ranks: list[int], draft_seconds: float,
-                overhead_seconds: float) -> None:
+                overhead_seconds: float, target_seconds: float | None = None) -> None:
         return None
 
 
@@ -183,7 +183,7 @@ class Decoder:
             self.speculator.accept(tree, slots, path)
         overhead = time.perf_counter() - began - draft_seconds - target_seconds
         stats.record_step(budget, tree.num_nodes, len(yielded), draft_seconds, target_seconds, overhead)
-        self.budget.observe(tree.num_nodes, path[1:], draft_seconds, overhead)
+        self.budget.observe(tree.num_nodes, path[1:], draft_seconds, overhead, target_seconds)
         return yielded
 
     def _fitting_budget(self) -> int:

@@ -85,10 +85,32 @@ def test_steep_curve_settles_on_a_small_tree():
 
 
 @pytest.mark.parametrize("curve", [FLAT, STEEP], ids=["flat", "steep"])
-def test_useless_draft_falls_back_to_budget_one(curve: PassTimeCurve):
-    chosen = simulate(BudgetChooser(curve, 4096), gain=0.0)
-    assert chosen[0] > 1
-    assert chosen[1:] == [1] * (NUM_STEPS - 1)
+def test_useless_draft_falls_back_to_budget_one_exploring_rarely(curve: PassTimeCurve):
+    chooser = BudgetChooser(curve, 4096)
+    chosen = simulate(chooser, gain=0.0)
+    assert chosen[0] > 1 and chosen[1:chooser.window + 1] == [1] * chooser.window
+    explored = [i for i, b in enumerate(chosen) if b > 1]
+    assert len(explored) <= NUM_STEPS // chooser.window + 1   # one tree per window of budget-1 steps
+    assert all(b - a > chooser.window for a, b in zip(explored, explored[1:]))
+
+
+def test_a_draft_that_turns_useful_is_noticed_after_budget_one():
+    chooser = BudgetChooser(STEEP, 4096)
+    simulate(chooser, gain=0.0, num_steps=50)
+    assert chooser.choose() == 1 or chooser.last_choice > 1
+    later = simulate(chooser, GAIN, num_steps=100, seed=3)
+    assert all(1 < b <= 64 for b in later[-50:])
+
+
+def test_observed_pass_times_replace_a_disturbed_probe():
+    disturbed = PassTimeCurve([(1, 0.07), (2, 0.34), (4, 0.34), (8, 0.41), (16, 0.45), (64, 0.86)])
+    chooser, rng = BudgetChooser(disturbed, 64), random.Random(0)
+    assert chooser.pass_seconds(16) == pytest.approx(0.45)
+    for _ in range(40):
+        budget = chooser.choose()
+        seconds = STEEP.seconds(budget)                      # what passes really take
+        chooser.observe(budget, draw_path_ranks(rng, budget, GAIN), DRAFT_PER_TOKEN * (budget - 1), 0.002, seconds)
+    assert chooser.pass_seconds(chooser.last_choice) == pytest.approx(STEEP.seconds(chooser.last_choice), rel=1e-6)
 
 
 def test_extrapolation_adds_the_last_gain_per_doubling_capped_by_tree_size():
