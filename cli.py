@@ -90,7 +90,27 @@ def _session(args, console):
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
                            args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget))
     return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
-                   on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False))
+                   on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False),
+                   on_progress=ConversionBar(console))
+
+
+class ConversionBar:
+    """A rich progress bar over a GGUF import's tensors, shown only while one runs."""
+
+    def __init__(self, console) -> None:
+        self.console, self.progress, self.task = console, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        if self.progress is None:
+            columns = (TextColumn("converting tensors"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self.progress = Progress(*columns, console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("convert", total=total)
+        self.progress.update(self.task, completed=done, total=total)
+        if done >= total:
+            self.progress.stop()
+            self.progress = None
 
 
 def _messages(system: str | None, history: list[dict[str, str]]) -> list[dict[str, str]]:

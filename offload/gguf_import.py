@@ -1,17 +1,25 @@
-"""GGUF files are dequantized once through transformers' GGUF support and cached as a
-safetensors folder, so that every later start memory-maps it."""
+"""GGUF files are converted once into a cached safetensors folder, so that every later start
+memory-maps it. Tensors are dequantized a chunk at a time (offload/gguf_tensors.py), so converting
+a 70B GGUF needs a few hundred MB of RAM, not the model in fp32. Config, tokenizer and chat template
+come from the GGUF metadata through transformers' GGUF readers, which need no model (nor accelerate)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from .safetensors_io import write_safetensors
+import torch
+from gguf import GGUFReader
+
+from .gguf_names import HF_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, check_architecture
+from .gguf_tensors import TensorJob, plan_tensors, storage_dtype, write_shards
 
 FORMAT_NAME = "gguf-import"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: streamed conversion, sharded, bf16 above 1B parameters
+DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def cache_root() -> Path:
@@ -25,42 +33,77 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
-def import_gguf(gguf_path: str | Path, on_status=None) -> Path:
-    """Returns the cached safetensors folder for `gguf_path`, converting it on first use."""
+def import_gguf(gguf_path: str | Path, on_status: Callable[[str], None] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Returns the cached safetensors folder for `gguf_path`, converting it on first use.
+    on_progress(done, total) is called after each converted tensor."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     folder = gguf_cache_dir(gguf_path)
     if (folder / "import.json").exists():
         return folder
+    jobs, skipped = read_tensor_plan(gguf_path)
+    dtype = storage_dtype(jobs)
     if on_status:
-        on_status(f"converting {gguf_path.name} to safetensors (once) in {folder}")
+        on_status(f"converting {gguf_path.name} to safetensors ({DTYPE_LABELS[dtype]}, once) in {folder}")
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _convert(gguf_path, tmp)
+    write_metadata(gguf_path, tmp, dtype)
+    write_shards(gguf_path, jobs, tmp, dtype, on_progress)
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": str(gguf_path),
+            "dtype": str(dtype).removeprefix("torch."), "skipped_tensors": skipped}
+    (tmp / "import.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def read_tensor_plan(gguf_path: Path) -> tuple[list[TensorJob], list[str]]:
+    """The tensors to convert (and the names of those skipped), from the header only."""
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({err})") from None
+    architecture = _field(reader, "general.architecture", gguf_path)
+    check_architecture(architecture, gguf_path)
+    num_splits = _field(reader, "split.count", gguf_path, default=1)
+    if num_splits > 1:
+        raise ValueError(f"{gguf_path} is part 1 of a {num_splits}-file split GGUF; merge the parts first "
+                         "(llama-gguf-split --merge) and give the merged file")
+    heads = _field(reader, f"{architecture}.attention.head_count", gguf_path)
+    # llama.cpp permutes k with the kv head count; a file without one has as many kv heads as heads
+    kv_heads = _field(reader, f"{architecture}.attention.head_count_kv", gguf_path, default=heads)
+    counts = {"heads": int(heads), "kv_heads": int(kv_heads)}
+    return plan_tensors(reader, counts, SUPPORTED_GGUF_ARCHITECTURES[architecture])
+
+
+def _field(reader: GGUFReader, key: str, path: Path, default=None):
+    field = reader.get_field(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
+    """config.json, generation_config.json and the tokenizer files, from the GGUF metadata."""
     import transformers  # heavy; only needed once per GGUF file
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     kwargs = {"gguf_file": gguf_path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, **kwargs)
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    write_safetensors(out / "model.safetensors", state, {"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": str(gguf_path),
-            "dtype": str(next(iter(state.values())).dtype)}
-    (out / "import.json").write_text(json.dumps(meta, indent=2))
+    config = transformers.AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+    if config.model_type not in HF_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: transformers reads it as model type {config.model_type!r}, "
+                         f"which is not supported (supported: {', '.join(HF_ARCHITECTURES)})")
+    config.architectures = [HF_ARCHITECTURES[config.model_type]]
+    raw = config.to_dict()
+    raw.pop("quantization_config", None)
+    raw["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in raw:  # transformers 4.x
+        raw["torch_dtype"] = raw["dtype"]
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out)

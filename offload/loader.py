@@ -59,8 +59,8 @@ class LoadedModel:
         return self.global_bytes + self.layers.device_bytes
 
 
-def load_model(options: LoadOptions, on_status=None) -> LoadedModel:
-    path = resolve_model(options.model, options.allow_download, on_status)
+def load_model(options: LoadOptions, on_status=None, on_progress=None) -> LoadedModel:
+    path = resolve_model(options.model, options.allow_download, on_status, on_progress)
     config = ModelConfig.from_file(path)
     source = CheckpointSource(path, config)
     tokenizer = Tokenizer(path)

@@ -128,3 +128,81 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor], metadata: di
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+
+
+class SafetensorsStreamWriter:
+    """Writes one safetensors file whose tensors are declared up front (name -> dtype, shape): the header
+    is written first, then the tensors' bytes are appended in declaration order as they are produced, so
+    only the chunk being written need be in memory. Atomic like `write_safetensors`: a temp file is
+    fsynced and renamed into place by `close()`; leaving the `with` block on an error removes it."""
+
+    def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self._tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        header, self._ends = _stream_header(specs, metadata)
+        self._names = list(specs)
+        self._dtypes = [dtype for dtype, _ in specs.values()]
+        self._index = 0   # the tensor whose bytes come next
+        self._offset = 0  # data bytes written so far
+        self._file = open(self._tmp, "wb")
+        self._file.write(header)
+        self._skip_filled()
+
+    def append(self, chunk: Tensor) -> None:
+        """Appends the next bytes of the tensor being filled; `chunk` has its dtype, any shape."""
+        if chunk.numel() == 0:
+            return
+        if self._index >= len(self._names):
+            raise ValueError(f"{self.path}: every declared tensor is already written")
+        name, dtype = self._names[self._index], self._dtypes[self._index]
+        if chunk.dtype != dtype:
+            raise ValueError(f"{self.path}: tensor {name!r} is declared {dtype}, got a {chunk.dtype} chunk")
+        data = chunk.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        if self._offset + data.nbytes > self._ends[self._index]:
+            raise ValueError(f"{self.path}: chunk of {data.nbytes} bytes overruns tensor {name!r}")
+        self._file.write(data)
+        self._offset += data.nbytes
+        self._skip_filled()
+
+    def _skip_filled(self) -> None:
+        while self._index < len(self._names) and self._offset == self._ends[self._index]:
+            self._index += 1
+
+    def close(self) -> None:
+        if self._index < len(self._names):
+            self.abort()
+            raise ValueError(f"{self.path}: tensor {self._names[self._index]!r} was not fully written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SafetensorsStreamWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _stream_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                   metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
+    """The encoded header (length prefix included, padded to 8 bytes as `write_safetensors` pads it) and
+    each tensor's end offset within the data section."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    ends, offset = [], 0
+    for name, (dtype, shape) in specs.items():
+        num_bytes = _numel(tuple(shape)) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+        ends.append(offset)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, ends

@@ -25,13 +25,14 @@ def default_model_gguf() -> Path:
     return found[0]
 
 
-def resolve_model(spec: str | None, allow_download: bool = False, on_status=None) -> Path:
-    """Returns a folder with config.json, tokenizer files and safetensors weights."""
+def resolve_model(spec: str | None, allow_download: bool = False, on_status=None, on_progress=None) -> Path:
+    """Returns a folder with config.json, tokenizer files and safetensors weights. A GGUF is converted
+    once; `on_progress(done, total)` follows its tensors."""
     if spec is None or spec == "default":
-        return import_gguf(default_model_gguf(), on_status)
+        return import_gguf(default_model_gguf(), on_status, on_progress)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return import_gguf(path, on_status)
+        return import_gguf(path, on_status, on_progress)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} is not a model folder (no config.json)")

@@ -47,22 +47,23 @@ class RuntimeConfig:
             check_budget(self.budget)
 
 
-def _load_target(options: LoadOptions, on_status) -> LoadedModel:
+def _load_target(options: LoadOptions, on_status, on_progress) -> LoadedModel:
     """A draft folder runs on its own too (a quick look at its quality); anything else is a model."""
     if options.model and is_draft_folder(Path(options.model).expanduser()):
         return load_draft(options, on_status)
-    return load_model(options, on_status)
+    return load_model(options, on_status, on_progress)
 
 
 class Session:
-    def __init__(self, config: RuntimeConfig, on_status=None, on_warning=None) -> None:
+    def __init__(self, config: RuntimeConfig, on_status=None, on_warning=None, on_progress=None) -> None:
+        """on_status(text), on_warning(text): one-line messages; on_progress(done, total): a GGUF import."""
         self.config = config
         self.draft_choice = choose_draft(config.target, config.draft, config.no_draft)
         max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
-        self.target, max_budget = self._load_target(max_budget, on_status)
+        self.target, max_budget = self._load_target(max_budget, on_status, on_progress)
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
-        self.draft = self._load_draft(on_status, on_warning)
+        self.draft = self._load_draft(on_status, on_warning, on_progress)
         decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens)
         speculator = new_speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
             if self.draft else None
@@ -70,7 +71,7 @@ class Session:
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator,
                                self._budget(max_budget, on_status))
 
-    def _load_target(self, max_budget: int, on_status) -> tuple[LoadedModel, int]:
+    def _load_target(self, max_budget: int, on_status, on_progress) -> tuple[LoadedModel, int]:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
         does not fit the device budget halves the largest tree instead of failing."""
         config = self.config
@@ -80,7 +81,7 @@ class Session:
                                        max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
                                        draft_bytes=self._draft_bytes())
             try:
-                return _load_target(self.options, on_status), max_budget
+                return _load_target(self.options, on_status, on_progress), max_budget
             except PlanError as err:
                 if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
                     raise UserError(str(err)) from None
@@ -94,14 +95,14 @@ class Session:
         device = choose_device(self.config.device)
         return estimated_draft_bytes(self.draft_choice.spec, choose_dtype(self.config.dtype, device).itemsize)
 
-    def _load_draft(self, on_status, on_warning):
+    def _load_draft(self, on_status, on_warning, on_progress):
         if not self.draft_choice.spec:
             return None
         draft_options = LoadOptions(None, self.config.device, "auto", self.config.allow_download,
                                     gpu_mem=self.config.gpu_mem, max_context=self.config.max_context,
                                     max_pass_tokens=self.options.max_pass_tokens)
         try:
-            return load_draft_for(self.draft_choice, self.target, draft_options, on_status)
+            return load_draft_for(self.draft_choice, self.target, draft_options, on_status, on_progress)
         except DraftUnavailable as err:
             if on_warning:
                 on_warning(str(err))

@@ -55,11 +55,12 @@ def estimated_draft_bytes(spec: str | None, dtype_bytes: int) -> int:
     return (layers + config.global_param_count) * dtype_bytes
 
 
-def load_draft_for(choice: DraftChoice, target: LoadedModel, options: LoadOptions, on_status=None) -> Draft:
+def load_draft_for(choice: DraftChoice, target: LoadedModel, options: LoadOptions, on_status=None,
+                   on_progress=None) -> Draft:
     """The draft, resident on the target's device. A draft that names nothing or speaks another
     tokenizer is the user's to fix (raised as is); any other failure raises DraftUnavailable."""
     try:
-        return load_any_draft(choice.spec, target, options, on_status)
+        return load_any_draft(choice.spec, target, options, on_status, on_progress)
     except (TokenizerMismatchError, ModelNotFoundError):
         raise
     except Exception as err:   # a broken draft must not stop the target from answering

@@ -129,7 +129,8 @@ class Draft:
         self.loaded.layers.close()
 
 
-def load_any_draft(spec: str | Path, target: LoadedModel, options: LoadOptions, on_status=None) -> Draft:
+def load_any_draft(spec: str | Path, target: LoadedModel, options: LoadOptions, on_status=None,
+                   on_progress=None) -> Draft:
     """A draft for `target`: a distilled draft folder (sharing the target's embedding) or any model the
     runtime loads (HF folder, .gguf, Hub id) with the target's tokenizer, kept wholly on the device."""
     folder = Path(spec).expanduser()
@@ -137,7 +138,7 @@ def load_any_draft(spec: str | Path, target: LoadedModel, options: LoadOptions, 
         check_tokenizers_match(target.path, folder)
         loaded = load_draft(_draft_options(options, str(folder)), on_status, embed=target.model.embed)
         return Draft(loaded, target.config.vocab_size)
-    folder = resolve_model(str(spec), options.allow_download, on_status)
+    folder = resolve_model(str(spec), options.allow_download, on_status, on_progress)
     check_tokenizers_match(target.path, folder)
     loaded = load_model(_draft_options(options, str(folder)), on_status)
     if any(tier != "device" for tier in loaded.plan.tier_of):
