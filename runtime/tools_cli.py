@@ -76,6 +76,30 @@ def _add_bench_parsers(benches) -> None:
     stream.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="(default: auto)")
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
     stream.add_argument("--json", action="store_true", help="print only JSON")
+    _add_bench_spec_parser(benches)
+
+
+def _add_bench_spec_parser(benches) -> None:
+    spec = benches.add_parser("spec", help="speculation by budget vs autoregressive vs transformers assisted generation")
+    spec.add_argument("--target", default=None, help="target (default: embedded model)")
+    spec.add_argument("--draft", default=None, help="draft (default: the target's shipped draft)")
+    spec.add_argument("--prompts", type=Path, nargs="+", required=True,
+                      help='JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"')
+    spec.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    spec.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    spec.add_argument("--budgets", default="1,4,16,64,256,1024,4096",
+                      help="fixed tree budgets to measure (default: 1,4,16,64,256,1024,4096)")
+    spec.add_argument("--modes", default="resident,disk-cold",
+                      help="resident and/or disk-cold (layers streamed from disk, page cache dropped each pass) "
+                           "(default: resident,disk-cold)")
+    spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    spec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    spec.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: 0)")
+    spec.add_argument("--gpu-mem", default=None,
+                      help="disk-cold device budget, e.g. 700MiB (default: what never streams + the ring + "
+                           "3 layers)")
+    spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
+    spec.add_argument("--json", action="store_true", help="print only JSON")
 
 
 def cmd_plan(args, console) -> int:
@@ -162,10 +186,31 @@ def _bench_draft(args, console) -> dict:
                        on_progress=lambda e: console.print(f"[dim]target answers: {e['done']}/{e['total']}[/dim]"))
 
 
+def _bench_spec(args, console) -> dict:
+    from offload.planner import parse_bytes
+    from runtime.spec_bench import SpecBenchConfig, print_tables, run_spec_bench
+    from spec import SamplingConfig
+    try:
+        budgets = [int(x) for x in args.budgets.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets takes comma-separated integers, e.g. 1,4,16; got {args.budgets!r}") from None
+    config = SpecBenchConfig(args.target, args.draft, args.max_new_tokens, budgets,
+                             [m.strip() for m in args.modes.split(",") if m.strip()],
+                             parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer)
+    sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
+    result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit),
+                            on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    if not args.json:
+        print_tables(result, console)
+    return result
+
+
 def cmd_bench(args, console) -> int:
     from offload.planner import parse_bytes
     if args.bench == "draft":
         result = _bench_draft(args, console)
+    if args.bench == "spec":
+        result = _bench_spec(args, console)
     if args.bench == "stream":
         from offload.stream_bench import run_stream_bench
         sizes = [int(x) for x in args.tokens.split(",") if x.strip()]

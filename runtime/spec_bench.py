@@ -1,0 +1,290 @@
+"""`bench spec`: speculative decoding against our own autoregressive decoding and transformers' assisted
+generation, on the same prompts and settings, in one run.
+
+Per mode (resident: every layer on the device; disk-cold: layers streamed from disk with the page cache
+dropped before each pass) each prompt runs autoregressively, then at every fixed budget, then under the
+auto chooser, back to back (prompt-major), so slow drift of a shared machine hits every row alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from offload import LoadedModel, LoadOptions, Tokenizer, load_model
+from offload.config import ModelConfig
+from offload.devices import choose_device, choose_dtype
+from offload.loader import stop_token_ids
+from offload.planner import kv_cache_bytes, request_from_config, workspace_bytes
+from offload.sources import resolve_model
+from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, SamplingConfig, Speculator
+from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
+from spec.draft import default_draft_for, load_any_draft
+from .auto_budget import _pass_seconds, auto_budget
+from .hf_draft import bench_assisted
+from .speculation import estimated_draft_bytes
+
+MODES = ("resident", "disk-cold")
+DISK_COLD_RESIDENT_LAYERS = 3             # default disk-cold budget: these stay on the device, the rest stream
+MIN_PASS_TOKENS = 512                     # the prefill chunk, as a session plans it
+WARMUP_TOKENS = 4
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+
+Status = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class SpecBenchConfig:
+    target: str | None = None          # None: the embedded default model
+    draft: str | None = None           # None: the target's shipped draft
+    max_new_tokens: int = 256
+    budgets: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024, 4096])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    gpu_mem: int | None = None         # disk-cold device budget; None: disk_cold_gpu_mem()
+    max_context: int = 4096
+    run_peer: bool = True              # transformers' assisted generation
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+        if not self.budgets:
+            raise ValueError("--budgets needs at least one budget, e.g. 1,4,16")
+        for budget in self.budgets:
+            check_budget(budget)
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"--modes takes {', '.join(MODES)}; got {','.join(self.modes) or 'nothing'}")
+        if self.gpu_mem is not None and self.gpu_mem <= 0:
+            raise ValueError(f"--gpu-mem must be positive, got {self.gpu_mem}")
+
+    @property
+    def max_budget(self) -> int:
+        return max(self.budgets)
+
+    @property
+    def max_pass_tokens(self) -> int:
+        return max(MIN_PASS_TOKENS, self.max_budget)
+
+    @property
+    def draft_spec(self) -> str:
+        spec = self.draft or default_draft_for(self.target)
+        if spec is None:
+            raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")
+        return str(spec)
+
+
+def load_options(config: SpecBenchConfig, mode: str) -> LoadOptions:
+    """The target planned for the largest budget; disk-cold: a small device budget, no RAM tier."""
+    options = LoadOptions(config.target, max_context=config.max_context, max_pass_tokens=config.max_pass_tokens,
+                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes()))
+    if mode == "disk-cold":
+        options.gpu_mem, options.ram = config.gpu_mem or disk_cold_gpu_mem(config), 1
+        options.disk_cold = True
+    return options
+
+
+def disk_cold_gpu_mem(config: SpecBenchConfig) -> int:
+    """A device budget (from config.json) holding what never streams (globals, draft, KV cache, workspace),
+    the ring, DISK_COLD_RESIDENT_LAYERS layers and half a layer of slack: most layers stream from disk."""
+    device = choose_device()
+    request = request_from_config(ModelConfig.from_file(resolve_model(config.target)), _dtype_bytes(), 1, 1,
+                                  max_context=config.max_context, max_tree=config.max_pass_tokens,
+                                  device_is_cpu=device.type == "cpu")
+    cfg, layer = request.config, request.layer_bytes
+    fixed = (request.global_bytes + estimated_draft_bytes(config.draft_spec, _dtype_bytes()) + workspace_bytes(request)
+             + kv_cache_bytes(cfg, request.max_context + request.max_tree, request.dtype_bytes))
+    return fixed + (request.ring_size + DISK_COLD_RESIDENT_LAYERS) * layer + layer // 2
+
+
+def _dtype_bytes() -> int:
+    return choose_dtype("auto", choose_device()).itemsize
+
+
+@dataclass(slots=True)
+class ModeRun:
+    """One mode's loaded models and decoders: `plain` never drafts; `speculative` takes each row's policy."""
+    target: LoadedModel
+    plain: Decoder
+    speculative: Decoder
+    chooser: BudgetChooser          # the auto row's policy, learning across the mode's prompts as in a session
+
+    def decode(self, row: str | int, prompt_ids: list[int], sampling: SamplingConfig,
+               max_new_tokens: int) -> DecodeResult:
+        decoder = self.plain if row == "autoregressive" else self.speculative
+        decoder.budget = self.chooser if row == "auto" else FixedBudget(1 if row == "autoregressive" else row)
+        decoder.config = replace(decoder.config, max_new_tokens=max_new_tokens)
+        decoder.reset()   # every prompt from an empty cache: no prefix reuse between prompts
+        return decoder.generate(prompt_ids, sampling)
+
+    def close(self) -> None:
+        self.target.layers.close()
+        self.speculative.speculator.draft.close()
+
+
+def open_mode(config: SpecBenchConfig, mode: str, on_status: Status) -> ModeRun:
+    target = load_model(load_options(config, mode))
+    draft_options = LoadOptions(max_context=config.max_context, max_pass_tokens=config.max_pass_tokens)
+    draft = load_any_draft(config.draft_spec, target, draft_options, on_status)
+    decode = DecodeConfig(config.max_new_tokens, config.max_context, config.max_pass_tokens)
+    speculator = Speculator(draft, config.max_context, config.max_budget, config.max_pass_tokens)
+    chooser = auto_budget(target, config.max_budget, on_status)
+    return ModeRun(target, Decoder(target.model, target.stop_ids, decode),
+                   Decoder(target.model, target.stop_ids, decode, speculator), chooser)
+
+
+def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[list[int]], sampling: SamplingConfig,
+               on_status: Status) -> tuple[dict, list[list[int]]]:
+    """-> (the mode's report, its autoregressive tokens per prompt)."""
+    run = open_mode(config, mode, on_status)
+    rows = ["autoregressive", *config.budgets, "auto"]
+    for row in ("autoregressive", config.max_budget):
+        run.decode(row, prompts[0], sampling, WARMUP_TOKENS)
+    results: dict = {row: [] for row in rows}
+    for index, prompt_ids in enumerate(prompts):
+        seeded = replace(sampling, seed=(sampling.seed or 0) + index)
+        for row in rows:
+            result = run.decode(row, prompt_ids, seeded, config.max_new_tokens)
+            results[row].append(result)
+            on_status(f"{mode}: prompt {index + 1}/{len(prompts)} {row}: {result.stats.num_new_tokens} tokens, "
+                      f"{result.stats.tokens_per_pass:.2f} tok/pass, {result.stats.tokens_per_second:.1f} tok/s")
+    curve = measure_pass_times(run.target, config.max_budget)
+    run.close()
+    reference = [r.token_ids for r in results["autoregressive"]]
+    return mode_report(run, results, reference, sampling, curve), reference
+
+
+def measure_pass_times(target: LoadedModel, max_budget: int) -> PassTimeCurve:
+    """t(n) measured now, in this run (the auto row's chooser keeps the runtime's cached curve)."""
+    scratch = target.model.new_cache(max_budget)
+    return probe_pass_times(lambda n: _pass_seconds(target, scratch, n), max_budget)
+
+
+def mode_report(run: ModeRun, results: dict, reference: list[list[int]], sampling: SamplingConfig,
+                curve: PassTimeCurve) -> dict:
+    plan = run.target.plan
+    autoregressive = row_report(results["autoregressive"], None, None)
+    base = autoregressive["tokens_per_second"]
+    budgets = [{"budget": row, **row_report(rs, reference if sampling.is_greedy else None, base)}
+               for row, rs in results.items() if isinstance(row, int)]
+    auto = row_report(results["auto"], reference if sampling.is_greedy else None, base)
+    auto["chosen_budget"] = int(max(auto["budgets_chosen"].items(), key=lambda item: item[1], default=("1", 0))[0])
+    t1, tb = curve.seconds(1), curve.seconds(auto["chosen_budget"])
+    auto["limit_speedup"] = round(auto["tokens_per_pass"] * t1 / tb, 3)   # tokens/pass at pass-time cost only
+    return {"layers": {t: plan.tier_of.count(t) for t in ("device", "ram", "disk")},
+            "device_budget": plan.request.device_budget,
+            "autoregressive": autoregressive, "budgets": budgets, "auto": auto,
+            "pass_seconds": {str(int(n)): round(s, 5) for n, s in curve.points}}
+
+
+def row_report(results: list[DecodeResult], reference: list[list[int]] | None, base_tps: float | None) -> dict:
+    """Figures summed over prompts: tokens per pass = sum(new - 1) / sum(steps); tok/s = tokens / seconds."""
+    stats = merge_stats([r.stats for r in results])
+    following = sum(max(r.stats.num_new_tokens - 1, 0) for r in results)
+    speculation = stats.speculation_report()
+    chosen = speculation.pop("budget")     # a fixed budget shrinks only near the end of the context
+    row = {"new_tokens": stats.num_new_tokens, "seconds": round(stats.seconds, 3),
+           "tokens_per_pass": round(following / max(stats.num_steps, 1), 4),
+           "tokens_per_second": round(stats.tokens_per_second, 3), **speculation,
+           "budgets_chosen": chosen["histogram"], "mean_budget": chosen["mean"]}
+    if base_tps:
+        row["speedup_vs_autoregressive"] = round(stats.tokens_per_second / base_tps, 3)
+    if reference is not None:
+        row["identical_to_autoregressive"] = sum(r.token_ids == ids for r, ids in zip(results, reference))
+    return row
+
+
+def merge_stats(parts: list[DecodeStats]) -> DecodeStats:
+    total = DecodeStats(speculative=True)
+    for part in parts:
+        for name in ("num_new_tokens", "num_steps", "tree_tokens", "seconds", "draft_seconds", "target_seconds",
+                     "overhead_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.budgets.update(part.budgets)
+        total.yields.update(part.yields)
+        size = max(len(total.depth_reached), len(part.depth_reached))
+        total.depth_reached = [a + b for a, b in zip(_padded(total.depth_reached, size),
+                                                     _padded(part.depth_reached, size))]
+        total.last_budget = part.last_budget
+    return total
+
+
+def _padded(values: list[int], size: int) -> list[int]:
+    return values + [0] * (size - len(values))
+
+
+def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: list[list[dict[str, str]]],
+                   on_status: Status = lambda message: None) -> dict:
+    """Every mode, then transformers' assisted generation, on `prompts` (chat messages) -> the JSON report."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark (check --prompts and --limit)")
+    target_folder = resolve_model(config.target, on_status=on_status)
+    tokenizer = Tokenizer(target_folder)
+    stop_ids = stop_token_ids(target_folder, ModelConfig.from_file(target_folder), tokenizer)
+    prompt_ids = [tokenizer.encode_chat(messages) for messages in prompts]
+    report = {"bench": "spec", "target": DEFAULT_TARGET_NAME if config.target in (None, "default")
+              else target_folder.name, "draft": Path(config.draft_spec).name, "prompts": len(prompts),
+              "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling),
+              "device": str(choose_device()), "threads": torch.get_num_threads(), "modes": {}}
+    references = {}
+    for mode in config.modes:
+        on_status(f"{mode}: loading, then {len(prompts)} prompts x {len(config.budgets) + 2} rows")
+        report["modes"][mode], references[mode] = bench_mode(config, mode, prompt_ids, sampling, on_status)
+    reference = references[config.modes[0]] if sampling.is_greedy else None
+    report["assisted_generation"] = {"skipped": "--no-peer"}
+    if config.run_peer:
+        report["assisted_generation"] = bench_assisted(target_folder, config.draft_spec, prompt_ids, stop_ids,
+                                                       config.max_new_tokens, sampling, reference, on_status)
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict) -> dict:
+    """Best fixed budgets per mode; our best tokens per pass over transformers' tokens per target forward;
+    disk-cold auto vs autoregressive, and its limit: auto's tokens per pass x t(1) / t(chosen budget), the
+    speedup if drafting and overhead cost nothing."""
+    modes, peer = report["modes"], report["assisted_generation"]
+    best_pass = {m: max(r["budgets"], key=lambda row: row["tokens_per_pass"]) for m, r in modes.items()}
+    best_speed = {m: max(r["budgets"], key=lambda row: row["tokens_per_second"]) for m, r in modes.items()}
+    first = next(iter(modes))
+    cold = modes.get("disk-cold")
+    peer_tpp = peer.get("tokens_per_target_forward")
+    return {
+        "best_budget_tokens_per_pass": {m: {"budget": r["budget"], "tokens_per_pass": r["tokens_per_pass"]}
+                                        for m, r in best_pass.items()},
+        "best_budget_by_tokens_per_second": {
+            m: {"budget": r["budget"], "tokens_per_second": r["tokens_per_second"],
+                "speedup_vs_autoregressive": r["speedup_vs_autoregressive"]} for m, r in best_speed.items()},
+        "ratio_tokens_per_pass_vs_assisted": round(best_pass[first]["tokens_per_pass"] / peer_tpp, 3)
+        if peer_tpp else None,
+        "disk_cold_auto_speedup_vs_autoregressive": cold["auto"]["speedup_vs_autoregressive"] if cold else None,
+        "disk_cold_limit": cold["auto"]["limit_speedup"] if cold else None,
+    }
+
+
+def print_tables(report: dict, console) -> None:
+    """One compact table per mode, then the assisted-generation line (rich, on `console`)."""
+    from rich import box
+    from rich.table import Table
+    for mode, result in report["modes"].items():
+        table = Table(title=f"bench spec, {mode} ({report['prompts']} prompts, {report['max_new_tokens']} tokens)",
+                      box=box.SIMPLE_HEAD, caption="ms per step: draft / target / overhead")
+        for column in ("budget", "tok/pass", "tok/s", "xAR", "draft", "target", "ovh", "ovh%", "same"):
+            table.add_column(column, justify="right")
+        rows = [("AR", result["autoregressive"])] + [(str(r["budget"]), r) for r in result["budgets"]]
+        rows.append((f"auto ({result['auto']['chosen_budget']})", result["auto"]))
+        for name, row in rows:
+            step = row["seconds_per_step"]
+            table.add_row(name, f"{row['tokens_per_pass']:.2f}", f"{row['tokens_per_second']:.1f}",
+                          f"{row.get('speedup_vs_autoregressive', 1.0):.2f}", f"{1e3 * step['draft']:.1f}",
+                          f"{1e3 * step['target']:.1f}", f"{1e3 * step['overhead']:.1f}",
+                          f"{100 * row['overhead_share']:.0f}", str(row.get("identical_to_autoregressive", "-")))
+        console.print(table)
+    peer = report["assisted_generation"]
+    if "skipped" in peer:
+        console.print(f"assisted generation skipped: {peer['skipped']}")
+    else:
+        console.print(f"transformers assisted generation: {peer['tokens_per_target_forward']:.2f} tok/forward, "
+                      f"{peer['tokens_per_second']:.1f} tok/s ({peer['speedup_vs_transformers_autoregressive']:.2f}x "
+                      f"its autoregressive), identical {peer.get('identical_to_autoregressive', '-')}")
