@@ -85,7 +85,8 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--draft", default=None, help="draft (default: the target's shipped draft)")
     spec.add_argument("--prompts", type=Path, nargs="+", required=True,
                       help='JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"')
-    spec.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    spec.add_argument("--limit", type=int, default=None,
+                      help="use only the first N prompts of each file (default: all)")
     spec.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     spec.add_argument("--budgets", default="1,4,16,64,256,1024,4096",
                       help="fixed tree budgets to measure (default: 1,4,16,64,256,1024,4096)")
@@ -151,9 +152,13 @@ def cmd_distill(args, console) -> int:
     return 0
 
 
-def _bench_prompts(paths: list[Path], limit: int | None) -> list[list[dict[str, str]]]:
+def _bench_prompts(paths: list[Path], limit: int | None, per_file: bool = False) -> list[list[dict[str, str]]]:
+    """Chat turns from prompt files: the first `limit` prompts overall, or of each file (`per_file`)."""
     prompts = []
     for path in paths:
+        if per_file:
+            prompts += _bench_prompts([path], limit)
+            continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
@@ -198,7 +203,7 @@ def _bench_spec(args, console) -> dict:
                              [m.strip() for m in args.modes.split(",") if m.strip()],
                              parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer)
     sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
-    result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit),
+    result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     if not args.json:
         print_tables(result, console)
