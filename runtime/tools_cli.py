@@ -154,11 +154,10 @@ def cmd_distill(args, console) -> int:
 
 def _bench_prompts(paths: list[Path], limit: int | None, per_file: bool = False) -> list[list[dict[str, str]]]:
     """Chat turns from prompt files: the first `limit` prompts overall, or of each file (`per_file`)."""
+    if per_file:
+        return [prompt for path in paths for prompt in _bench_prompts([path], limit)]
     prompts = []
     for path in paths:
-        if per_file:
-            prompts += _bench_prompts([path], limit)
-            continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
