@@ -19,7 +19,8 @@ from .sources import resolve_model
 from .stream import StreamingLayers
 from .tiers import DiskTier, RamTier
 from .tokenizer import Tokenizer
-from .weights import CheckpointSource
+from .formats import open_source
+from .weights import WeightSource
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ class LoadedModel:
 def load_model(options: LoadOptions, on_status=None, on_progress=None) -> LoadedModel:
     path = resolve_model(options.model, options.allow_download, on_status, on_progress)
     config = ModelConfig.from_file(path)
-    source = CheckpointSource(path, config)
+    source = open_source(path, config)
     tokenizer = Tokenizer(path)
     engine = build_engine(source, options)
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
@@ -77,14 +78,14 @@ class Engine:
     global_bytes: int
 
 
-def build_engine(source: CheckpointSource, options: LoadOptions) -> Engine:
+def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     """Device and dtype chosen once here; the planner places the layers; the ring streams them."""
     config = source.config
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
     globals_ = to_device(source.global_tensors(), device, dtype)
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
-    layout = LayerLayout.from_tensors(source.layer(0), dtype)
+    layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, config, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
     return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes)
@@ -100,7 +101,7 @@ def _plan_request(options: LoadOptions, config: ModelConfig, layout: LayerLayout
         dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu")
 
 
-def _build_layers(source: CheckpointSource, layout: LayerLayout, plan: Plan, device: torch.device,
+def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device: torch.device,
                   dtype: torch.dtype, options: LoadOptions) -> StreamingLayers:
     tier_of = plan.tier_of
     resident = {i: to_device(source.layer(i), device, dtype) for i, t in enumerate(tier_of) if t == "device"}
@@ -110,7 +111,8 @@ def _build_layers(source: CheckpointSource, layout: LayerLayout, plan: Plan, dev
         ram = RamTier(source, layout, ram_layers, pin=device.type == "cuda",
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
-    return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold)
+    return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
+                           decode=lambda index, stored: source.decode_layer(index, stored, dtype))
 
 
 def stop_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

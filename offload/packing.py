@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .safetensors_io import DTYPE_NAMES, DTYPES
+
 ALIGNMENT = 256  # bytes; keeps every tensor view aligned for vectorised kernels
 
 
@@ -31,11 +33,11 @@ class LayerLayout:
     num_bytes: int
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], dtype: torch.dtype) -> "LayerLayout":
-        """Floating tensors are stored in `dtype`; integer (packed) tensors keep theirs."""
+    def from_tensors(cls, tensors: dict[str, Tensor], dtype: torch.dtype | None) -> "LayerLayout":
+        """Floating tensors are stored in `dtype` (None: their own); integer (packed) tensors keep theirs."""
         slots, offset = [], 0
         for name, tensor in tensors.items():
-            slot_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+            slot_dtype = dtype if tensor.is_floating_point() and dtype is not None else tensor.dtype
             slots.append(TensorSlot(name, slot_dtype, tuple(tensor.shape), offset))
             offset += -(-slots[-1].num_bytes // ALIGNMENT) * ALIGNMENT
         return cls(tuple(slots), offset)
@@ -45,9 +47,25 @@ class LayerLayout:
         return {s.name: buffer[s.offset:s.offset + s.num_bytes].view(s.dtype).view(s.shape) for s in self.slots}
 
     def pack_into(self, buffer: Tensor, tensors: dict[str, Tensor]) -> None:
-        """Copies (and casts) a layer's tensors into `buffer`."""
+        """Copies (and casts) a layer's tensors into `buffer`. A byte blob may be shorter than its slot
+        (packed layers differ in size; the slot holds the largest)."""
         for name, view in self.views(buffer).items():
-            view.copy_(tensors[name])
+            tensor = tensors[name]
+            if view.dim() == 1 and tensor.dim() == 1 and tensor.numel() < view.numel():
+                view = view[:tensor.numel()]
+            view.copy_(tensor)
+
+    def as_dict(self) -> dict:
+        return {"num_bytes": self.num_bytes, "slots": [[s.name, DTYPE_NAMES[s.dtype], list(s.shape), s.offset]
+                                                       for s in self.slots]}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LayerLayout":
+        slots = tuple(TensorSlot(name, DTYPES[dtype], tuple(shape), offset) for name, dtype, shape, offset in raw["slots"])
+        layout = cls(slots, int(raw["num_bytes"]))
+        if any(s.offset + s.num_bytes > layout.num_bytes for s in slots):
+            raise ValueError("a layer layout's slots overrun its size")
+        return layout
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -62,16 +62,22 @@ class _Slot:
     released: object = None              # CUDA event: compute reading `buffer` done
 
 
+def _as_stored(index: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return tensors
+
+
 class StreamingLayers:
-    """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads."""
+    """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads. `decode`
+    turns a layer's stored tensors into what the layer math takes (packed formats dequantize there,
+    on the compute device, just before use)."""
 
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
-                 disk_cold: bool = False) -> None:
+                 disk_cold: bool = False, decode=_as_stored) -> None:
         if ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {ring_size}")
         self.layout, self.resident, self.tier_of = layout, resident, tier_of
-        self.ram, self.disk, self.device, self.disk_cold = ram, disk, device, disk_cold
+        self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
         self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
@@ -110,7 +116,7 @@ class StreamingLayers:
 
     def get(self, index: int) -> dict[str, Tensor]:
         if self.tier_of[index] == "device":
-            return self.resident[index]
+            return self.decode(index, self.resident[index])
         slot = self.slots[self._next_use % len(self.slots)]
         waited = time.perf_counter()
         with self._cond:
@@ -126,7 +132,7 @@ class StreamingLayers:
         stats.wait_seconds += time.perf_counter() - waited
         stats.transfer_seconds += transfer
         stats.bytes_by_tier[self.tier_of[index]] += self.layout.num_bytes
-        return self.layout.views(slot.buffer)
+        return self.decode(index, self.layout.views(slot.buffer))
 
     def release(self, index: int) -> None:
         if self.tier_of[index] == "device":

@@ -9,13 +9,13 @@ from torch import Tensor
 
 from .hostmem import allocate_host, drop_page_cache
 from .packing import LayerLayout
-from .weights import CheckpointSource
+from .weights import WeightSource
 
 
 class RamTier:
     """Layers packed once into host buffers; a layer's bytes are one contiguous buffer."""
 
-    def __init__(self, source: CheckpointSource, layout: LayerLayout, layers: list[int], pin: bool,
+    def __init__(self, source: WeightSource, layout: LayerLayout, layers: list[int], pin: bool,
                  max_pinned_bytes: int) -> None:
         self.buffers: dict[int, Tensor] = {}
         pinned = 0
@@ -38,7 +38,7 @@ class DiskTier:
     Tensors already in the compute dtype are read with pread into their place in the buffer;
     others go through the memory map and are cast on the way."""
 
-    def __init__(self, source: CheckpointSource, layout: LayerLayout) -> None:
+    def __init__(self, source: WeightSource, layout: LayerLayout) -> None:
         self.source, self.layout = source, layout
         self._fds: dict[Path, int] = {}
 

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from .config import ModelConfig
+from .packing import LayerLayout
 from .safetensors_io import CorruptCheckpointError, SafetensorsFile, TensorEntry
 
 HF_LAYER_NAMES = {
@@ -42,6 +44,18 @@ class WeightSource(Protocol):
     def global_tensors(self) -> dict[str, Tensor]: ...
 
     def layer(self, index: int) -> dict[str, Tensor]: ...
+
+    def layout(self, dtype: torch.dtype) -> LayerLayout:
+        """The one-buffer layout every layer fits (ring slots and tiers use it)."""
+        ...
+
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict:
+        """A layer's stored tensors (views on the compute device) -> what the layer math takes."""
+        ...
+
+    def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]: ...
+
+    def file_paths(self) -> list[Path]: ...
 
 
 class CheckpointSource:
@@ -98,6 +112,12 @@ class CheckpointSource:
 
     def layer(self, index: int) -> dict[str, Tensor]:
         return {n: self._get(self._layer_key(index, n)) for n in layer_tensor_names(self.config)}
+
+    def layout(self, dtype: torch.dtype) -> LayerLayout:
+        return LayerLayout.from_tensors(self.layer(0), dtype)
+
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+        return stored
 
     def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]:
         """Where each tensor of a layer lies on disk: (file, header entry with absolute offsets)."""

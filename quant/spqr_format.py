@@ -1,0 +1,140 @@
+"""The SpQR packed matrix: b-bit codes in groups of `groupsize` input columns, per-row group scale and
+zero quantized again to `stats_bits` in runs of 16 rows, fp16 outliers by row (CSR), and the
+act-order column permutation.
+
+    W[:, perm] = Q,  Q[r, c] = (code[r, c] - zero[r, c // g]) * scale[r, c // g], except outliers
+    scale[r, j] = (scale_code[r, j] - s_zero[r // 16, j]) * s_scale[r // 16, j]   (zero alike)
+
+Bits per parameter: b + 2 * stats_bits / g + 64 / (16 * g) + 32 * outlier share (+ the permutation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .packbits import pack, packed_bytes, unpack
+
+STATS_RUN = 16          # rows sharing one fp16 scale/zero for the second-level statistics
+PARTS = ("codes", "scale_codes", "zero_codes", "stat_params", "perm", "outlier_rows", "outlier_cols",
+         "outlier_values")
+
+
+@dataclass(slots=True)
+class SpqrMatrix:
+    shape: tuple[int, int]      # (out, in) of the dense weight
+    bits: int
+    groupsize: int
+    stats_bits: int
+    codes: Tensor               # [packed] uint8: out x in codes, columns in permuted order
+    scale_codes: Tensor         # [packed] uint8: out x groups
+    zero_codes: Tensor          # [packed] uint8: out x groups
+    stat_params: Tensor         # [runs, groups, 4] fp16: scale's (scale, zero), zero's (scale, zero)
+    perm: Tensor                # [in] int16/int32: column of W held by each permuted column
+    outlier_rows: Tensor        # [out + 1] int32 CSR row pointers
+    outlier_cols: Tensor        # [nnz] int16/int32 permuted column of each outlier
+    outlier_values: Tensor      # [nnz] fp16 exact weights
+
+    @property
+    def num_groups(self) -> int:
+        return self.shape[1] // self.groupsize
+
+    @property
+    def num_outliers(self) -> int:
+        return self.outlier_values.numel()
+
+    def tensors(self, prefix: str) -> dict[str, Tensor]:
+        return {f"{prefix}.{part}": getattr(self, part) for part in PARTS}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str, shape: tuple[int, int], bits: int,
+                     groupsize: int, stats_bits: int) -> "SpqrMatrix":
+        parts = {part: tensors[f"{prefix}.{part}"] for part in PARTS}
+        matrix = cls(shape, bits, groupsize, stats_bits, **parts)
+        matrix.check(prefix)
+        return matrix
+
+    def check(self, name: str) -> None:
+        """Raises ValueError when the parts do not fit the declared shape (a corrupt checkpoint)."""
+        out, inp = self.shape
+        runs = -(-out // STATS_RUN)
+        expected = {"codes": (packed_bytes(out * inp, self.bits),),
+                    "scale_codes": (packed_bytes(out * self.num_groups, self.stats_bits),),
+                    "zero_codes": (packed_bytes(out * self.num_groups, self.stats_bits),),
+                    "stat_params": (runs, self.num_groups, 4), "perm": (inp,), "outlier_rows": (out + 1,),
+                    "outlier_cols": (self.num_outliers,)}
+        for part, shape in expected.items():
+            if tuple(getattr(self, part).shape) != shape:
+                raise ValueError(f"{name}.{part} has shape {tuple(getattr(self, part).shape)}, expected {shape}")
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in PARTS)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """-> [out, in] dense weight on the parts' device."""
+        out, inp = self.shape
+        groups, device = self.num_groups, self.codes.device
+        scale = _second_level(self.scale_codes, self.stat_params[..., 0], self.stat_params[..., 1], out, groups,
+                              self.stats_bits)
+        zero = _second_level(self.zero_codes, self.stat_params[..., 2], self.stat_params[..., 3], out, groups,
+                             self.stats_bits)
+        codes = unpack(self.codes, self.bits, out * inp).view(out, groups, self.groupsize).float()
+        permuted = ((codes - zero[..., None]) * scale[..., None]).view(out, inp)
+        if self.num_outliers:
+            rows = torch.repeat_interleave(torch.arange(out, device=device), self.outlier_rows.diff().long())
+            permuted[rows, self.outlier_cols.long()] = self.outlier_values.float()
+        dense = torch.empty_like(permuted)
+        dense[:, self.perm.long()] = permuted
+        return dense.to(dtype)
+
+
+def _second_level(codes: Tensor, scales: Tensor, zeros: Tensor, out: int, groups: int, stats_bits: int) -> Tensor:
+    """Per-row group statistics [out, groups] from their 3-bit codes and per-run fp16 scale and zero."""
+    values = unpack(codes, stats_bits, out * groups).view(out, groups).float()
+    run = torch.arange(out, device=codes.device) // STATS_RUN
+    return (values - zeros.float()[run]) * scales.float()[run]
+
+
+class SpqrLinear:
+    """A packed weight the layer math calls like a tensor: dequantized on its device once per use, then
+    one dense matmul serves every token of the pass."""
+
+    def __init__(self, matrix: SpqrMatrix, dtype: torch.dtype) -> None:
+        self.matrix, self.dtype = matrix, dtype
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out]."""
+        return F.linear(x, self.matrix.dequantize(self.dtype))
+
+
+def quantize_stats(values: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """values [out, groups] -> (codes [out, groups] in [0, 2^bits), scale [runs, groups], zero [runs, groups])
+    with min-max per run of STATS_RUN rows; scale/zero rounded to fp16 as stored. The zero stays a float,
+    so every run's minimum is represented (a positive scale never rounds to 0)."""
+    out, groups = values.shape
+    runs = -(-out // STATS_RUN)
+    padded = torch.cat((values, values[-1:].expand(runs * STATS_RUN - out, -1))).view(runs, STATS_RUN, groups)
+    low, high = padded.amin(1), padded.amax(1)                                     # [runs, groups]
+    maxq = (1 << bits) - 1
+    scale = ((high - low) / maxq).clamp(min=1e-8).half().float()
+    zero = (-low / scale).half().float()
+    codes = torch.round(padded / scale[:, None] + zero[:, None]).clamp(0, maxq)
+    return codes.view(-1, groups)[:out].to(torch.uint8), scale, zero
+
+
+def pack_matrix(shape: tuple[int, int], bits: int, groupsize: int, stats_bits: int, codes: Tensor,
+                scale_codes: Tensor, zero_codes: Tensor, stat_params: Tensor, perm: Tensor,
+                outlier_mask: Tensor, permuted_weight: Tensor) -> SpqrMatrix:
+    """Assembles the stored form from unpacked parts: codes [out, in] (permuted columns), stats codes
+    [out, groups], stat_params [runs, groups, 4], perm [in], outlier_mask / permuted_weight [out, in]."""
+    out, inp = shape
+    index_dtype = torch.int16 if inp <= torch.iinfo(torch.int16).max else torch.int32
+    rows, cols = outlier_mask.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=out)
+    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    return SpqrMatrix(shape, bits, groupsize, stats_bits, pack(codes, bits), pack(scale_codes, stats_bits),
+                      pack(zero_codes, stats_bits), stat_params.half(), perm.to(index_dtype), row_ptr,
+                      cols.to(index_dtype), permuted_weight[rows, cols].half())
