@@ -53,6 +53,7 @@ class LoadedModel:
     plan: Plan
     stop_ids: set[int] = field(default_factory=set)
     global_bytes: int = 0
+    source: WeightSource | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -67,7 +68,7 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
     tokenizer = Tokenizer(path)
     engine = build_engine(source, options)
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
-                       stop_token_ids(path, config, tokenizer), engine.global_bytes)
+                       stop_token_ids(path, config, tokenizer), engine.global_bytes, source)
 
 
 @dataclass(slots=True)

@@ -39,10 +39,15 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 def unpack(packed: Tensor, bits: int, num_codes: int) -> Tensor:
     """Inverse of pack: [packed_bytes] uint8 -> [num_codes] uint8 codes."""
+    if bits == 8:
+        return packed[:num_codes]
+    if bits == 4:                                  # two codes per byte, low nibble first
+        return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(-1)[:num_codes]
     per_group, nbytes = _group(bits)
-    grouped = packed.to(torch.int64).view(-1, nbytes)
-    byte_shifts = torch.arange(nbytes, device=packed.device) * 8
-    words = (grouped << byte_shifts).sum(-1)                                  # [G]
-    shifts = torch.arange(per_group, device=packed.device) * bits
+    wide = torch.int32 if nbytes <= 3 else torch.int64   # a 3-bit group is 24 bits: int32 ops suffice
+    grouped = packed.to(wide).view(-1, nbytes)
+    byte_shifts = torch.arange(nbytes, device=packed.device, dtype=wide) * 8
+    words = (grouped << byte_shifts).sum(-1, dtype=wide)                      # [G]
+    shifts = torch.arange(per_group, device=packed.device, dtype=wide) * bits
     codes = (words[:, None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:num_codes].to(torch.uint8)

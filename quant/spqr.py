@@ -72,9 +72,12 @@ def quantize_matrix(weight: Tensor, hessian: Tensor, config: SpqrConfig) -> Quan
         end = min(start + config.blocksize, inp)
         errors = _quantize_block(W, U, d, start, end, threshold, state, config)
         W[:, end:] -= errors @ U[start:end, end:]
-    dequantized = torch.empty_like(W)
-    dequantized[:, perm] = W
     packed = state.pack((out, inp), perm, W, config)
+    if packed is not None:     # what the runtime will compute with (equal to W up to float rounding)
+        dequantized = packed.dequantize()
+    else:
+        dequantized = torch.empty_like(W)
+        dequantized[:, perm] = W
     bits = 8 * packed.num_bytes / W.numel() if packed else _full_precision_bits(state, W, perm, config)
     return QuantizedMatrix(dequantized, packed, relative_error(original, dequantized, hessian),
                            float(state.outliers.float().mean()), bits)

@@ -33,7 +33,7 @@ class SpqrMatrix:
     zero_codes: Tensor          # [packed] uint8: out x groups
     stat_params: Tensor         # [runs, groups, 4] fp16: scale's (scale, zero), zero's (scale, zero)
     perm: Tensor                # [in] int16/int32: column of W held by each permuted column
-    outlier_rows: Tensor        # [out + 1] int32 CSR row pointers
+    outlier_rows: Tensor        # [out + 1] int16 (int32 past 32767 outliers) CSR row pointers
     outlier_cols: Tensor        # [nnz] int16/int32 permuted column of each outlier
     outlier_values: Tensor      # [nnz] fp16 exact weights
 
@@ -73,29 +73,35 @@ class SpqrMatrix:
     def num_bytes(self) -> int:
         return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in PARTS)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """-> [out, in] dense weight on the parts' device."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, permuted: bool = False) -> Tensor:
+        """-> [out, in] dense weight on the parts' device (with `permuted`, its columns in the stored
+        order: W[:, perm], which a caller multiplies with x[..., perm] to skip un-permuting)."""
         out, inp = self.shape
-        groups, device = self.num_groups, self.codes.device
+        groups = self.num_groups
         scale = _second_level(self.scale_codes, self.stat_params[..., 0], self.stat_params[..., 1], out, groups,
                               self.stats_bits)
         zero = _second_level(self.zero_codes, self.stat_params[..., 2], self.stat_params[..., 3], out, groups,
                              self.stats_bits)
-        codes = unpack(self.codes, self.bits, out * inp).view(out, groups, self.groupsize).float()
-        permuted = ((codes - zero[..., None]) * scale[..., None]).view(out, inp)
+        codes = unpack(self.codes, self.bits, out * inp).view(out, groups, self.groupsize).to(dtype)
+        # (code - zero) * scale as one fused multiply-add per weight
+        weight = torch.addcmul((-zero * scale).to(dtype)[..., None], codes, scale.to(dtype)[..., None]).view(out, inp)
         if self.num_outliers:
-            rows = torch.repeat_interleave(torch.arange(out, device=device), self.outlier_rows.diff().long())
-            permuted[rows, self.outlier_cols.long()] = self.outlier_values.float()
-        dense = torch.empty_like(permuted)
-        dense[:, self.perm.long()] = permuted
-        return dense.to(dtype)
+            rows = torch.repeat_interleave(torch.arange(out, device=weight.device), self.outlier_rows.diff().long(),
+                                           output_size=self.num_outliers)
+            weight[rows, self.outlier_cols.long()] = self.outlier_values.to(dtype)
+        if permuted:
+            return weight
+        dense = torch.empty_like(weight)
+        dense[:, self.perm.long()] = weight
+        return dense
 
 
 def _second_level(codes: Tensor, scales: Tensor, zeros: Tensor, out: int, groups: int, stats_bits: int) -> Tensor:
-    """Per-row group statistics [out, groups] from their 3-bit codes and per-run fp16 scale and zero."""
+    """Per-row group statistics [out, groups] from their codes and per-run fp16 scale and zero."""
     values = unpack(codes, stats_bits, out * groups).view(out, groups).float()
-    run = torch.arange(out, device=codes.device) // STATS_RUN
-    return (values - zeros.float()[run]) * scales.float()[run]
+    scales = scales.float().repeat_interleave(STATS_RUN, dim=0)[:out]
+    zeros = zeros.float().repeat_interleave(STATS_RUN, dim=0)[:out]
+    return (values - zeros) * scales
 
 
 class SpqrLinear:
@@ -106,8 +112,9 @@ class SpqrLinear:
         self.matrix, self.dtype = matrix, dtype
 
     def matmul(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., out]."""
-        return F.linear(x, self.matrix.dequantize(self.dtype))
+        """x [..., in] -> [..., out]: W x = W[:, perm] x[perm], so the inputs are gathered instead of
+        the weight's columns scattered."""
+        return F.linear(x[..., self.matrix.perm.long()], self.matrix.dequantize(self.dtype, permuted=True))
 
 
 def quantize_stats(values: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,7 +141,8 @@ def pack_matrix(shape: tuple[int, int], bits: int, groupsize: int, stats_bits: i
     index_dtype = torch.int16 if inp <= torch.iinfo(torch.int16).max else torch.int32
     rows, cols = outlier_mask.nonzero(as_tuple=True)
     counts = torch.bincount(rows, minlength=out)
-    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+    row_ptr = row_ptr.to(torch.int16 if int(row_ptr[-1]) <= torch.iinfo(torch.int16).max else torch.int32)
     return SpqrMatrix(shape, bits, groupsize, stats_bits, pack(codes, bits), pack(scale_codes, stats_bits),
                       pack(zero_codes, stats_bits), stat_params.half(), perm.to(index_dtype), row_ptr,
                       cols.to(index_dtype), permuted_weight[rows, cols].half())

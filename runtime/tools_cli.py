@@ -7,8 +7,10 @@ from pathlib import Path
 
 
 def add_tool_parsers(commands) -> None:
+    from runtime.quant_cli import add_quant_parsers
     _add_plan_parser(commands)
     _add_distill_parser(commands)
+    add_quant_parsers(commands)
     _add_bench_parsers(commands.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(
         dest="bench", required=True))
 
@@ -230,4 +232,9 @@ def cmd_bench(args, console) -> int:
     return 0
 
 
-TOOL_COMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "distill": cmd_distill}
+def _tool_commands() -> dict:
+    from runtime.quant_cli import QUANT_COMMANDS
+    return {"plan": cmd_plan, "bench": cmd_bench, "distill": cmd_distill, **QUANT_COMMANDS}
+
+
+TOOL_COMMANDS = _tool_commands()

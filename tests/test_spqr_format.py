@@ -89,6 +89,8 @@ def test_quantizer_output_is_what_the_packed_form_decodes_to():
     weight, hessian = _problem()
     result = quantize_matrix(weight, hessian, SpqrConfig(3))
     assert torch.equal(result.packed.dequantize(), result.dequantized)
+    x = torch.randn(5, weight.shape[1])
+    torch.testing.assert_close(SpqrLinear(result.packed, torch.float32).matmul(x), x @ result.dequantized.T)
     assert result.outlier_share > 0 and result.bits_per_param == 8 * result.packed.num_bytes / weight.numel()
 
 
