@@ -16,8 +16,9 @@ from .sources import resolve_model
 NOMINAL_PCIE4_GBPS = 25.0
 
 
-def build_plan(args) -> Plan:
-    """args: target, draft, gpu_mem, ram, budget, context, dtype, device, ring (strings as typed)."""
+def build_plan(args, weight_bits: float | None = None) -> Plan:
+    """args: target, draft, gpu_mem, ram, budget, context, dtype, device, ring (strings as typed);
+    weight_bits: packed decoder layers' bits per parameter (None: the dtype's)."""
     device = choose_device(args.device, require_available=False)
     config = ModelConfig.from_file(resolve_model(args.target))
     draft = ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None
@@ -29,7 +30,7 @@ def build_plan(args) -> Plan:
         device_budget = default_device_budget(device)
     host_budget = parse_bytes(args.ram) if args.ram else default_host_budget()
     request = request_from_config(config, DTYPES[args.dtype].itemsize, device_budget, host_budget, draft,
-                                  args.context, args.budget, args.ring, device.type == "cpu")
+                                  args.context, args.budget, args.ring, device.type == "cpu", weight_bits)
     return make_plan(request)
 
 

@@ -141,11 +141,14 @@ def _layer_items(tier_of: list[str], layer_bytes: int) -> list[PlanItem]:
 
 def request_from_config(config: ModelConfig, dtype_bytes: int, device_budget: int, host_budget: int,
                         draft: ModelConfig | None = None, max_context: int = 4096, max_tree: int = 2048,
-                        ring_size: int = 2, device_is_cpu: bool = False) -> PlanRequest:
-    """A plan request from config.json alone: byte counts derived from parameter counts."""
+                        ring_size: int = 2, device_is_cpu: bool = False,
+                        weight_bits: float | None = None) -> PlanRequest:
+    """A plan request from config.json alone: byte counts derived from parameter counts. `weight_bits`:
+    the decoder layers' stored bits per parameter when packed (e.g. SpQR), else the dtype's."""
     draft_bytes = 0
     if draft is not None:
         draft_bytes = (draft.global_param_count + draft.num_layers * draft.layer_param_count) * dtype_bytes
-    return PlanRequest(config, config.layer_param_count * dtype_bytes, config.global_param_count * dtype_bytes,
+    layer_bytes = config.layer_param_count * (weight_bits / 8 if weight_bits else dtype_bytes)
+    return PlanRequest(config, int(layer_bytes), config.global_param_count * dtype_bytes,
                        device_budget, host_budget, draft_bytes, max_context, max_tree, dtype_bytes, ring_size,
                        device_is_cpu)

@@ -24,7 +24,7 @@ from offload.weights import CheckpointSource
 from .calibrate import LayerRunner
 from .calibration_data import calibration_windows
 from .checkpoint import MATRICES, matrix_shapes, write_config, write_globals, write_layer
-from .spqr import SpqrConfig, quantize_matrix
+from .spqr import FULL_PRECISION_STATS, SpqrConfig, quantize_matrix
 
 SUPPORTED_BITS = (3, 4)
 STATE = ".state"
@@ -108,22 +108,30 @@ def _start(config: QuantizeConfig, source: CheckpointSource, source_folder: Path
 
 def _quantize_layer(source: CheckpointSource, runner: LayerRunner, hidden, index: int, config: QuantizeConfig):
     weights = {name: t.float() for name, t in source.layer(index).items()}
-    hessians = runner.hessians(hidden, weights, index)
-    stored, quantized, errors, outliers, packed_bytes = {}, dict(weights), {}, 0, 0
-    for name in MATRICES:
-        result = quantize_matrix(weights[name], hessians[name], config.spqr())
-        quantized[name] = result.dequantized
-        stored.update(result.packed.tensors(name))
-        errors[name] = round(result.relative_error, 6)
-        outliers += result.packed.num_outliers
-        packed_bytes += result.packed.num_bytes
-    stored.update({name: t for name, t in weights.items() if name not in MATRICES})
+    quantized, stored, report = quantize_layer(weights, runner.hessians(hidden, weights, index), config.spqr())
     write_layer(config.out, index, stored)
+    return runner.run(hidden, quantized, index), report
+
+
+def quantize_layer(weights: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor], spqr: SpqrConfig):
+    """One layer's matrices -> (weights with the matrices dequantized, the stored tensors (None for fp16
+    statistics), the layer report)."""
+    stored, quantized, errors, stored_bits = {}, dict(weights), {}, 0.0
+    outliers = 0.0
+    for name in MATRICES:
+        result = quantize_matrix(weights[name], hessians[name], spqr)
+        quantized[name] = result.dequantized
+        if result.packed is not None:
+            stored.update(result.packed.tensors(name))
+        errors[name] = round(result.relative_error, 6)
+        stored_bits += result.bits_per_param * weights[name].numel()
+        outliers += result.outlier_share * weights[name].numel()
+    stored.update({name: t for name, t in weights.items() if name not in MATRICES})
     params = sum(weights[name].numel() for name in MATRICES)
     report = {"error": round(sum(errors.values()) / len(errors), 6), "errors": errors,
-              "bits_per_param": round(8 * packed_bytes / params, 4), "outlier_share": round(outliers / params, 5),
-              "packed_bytes": packed_bytes, "params": params}
-    return runner.run(hidden, quantized, index), report
+              "bits_per_param": round(stored_bits / params, 4), "outlier_share": round(outliers / params, 5),
+              "packed_bytes": int(round(stored_bits / 8)), "params": params}
+    return quantized, (stored if spqr.stats_bits != FULL_PRECISION_STATS else None), report
 
 
 def _save_state(state: Path, next_layer: int, hidden, reports: list[dict]) -> None:

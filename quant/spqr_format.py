@@ -104,6 +104,15 @@ def _second_level(codes: Tensor, scales: Tensor, zeros: Tensor, out: int, groups
     return (values - zeros) * scales
 
 
+EXPECTED_OUTLIER_SHARE = 0.002      # what the default thresholds keep (measured on the default model)
+
+
+def expected_bits_per_param(bits: int, groupsize: int = 16, stats_bits: int = 3) -> float:
+    """For planning without a checkpoint: codes, second-level statistics, outliers at the default share
+    (the permutation and row pointers add ~16 / rows + 16 / columns more, negligible at 70B widths)."""
+    return bits + 2 * stats_bits / groupsize + 64 / (STATS_RUN * groupsize) + 32 * EXPECTED_OUTLIER_SHARE
+
+
 class SpqrLinear:
     """A packed weight the layer math calls like a tensor: dequantized on its device once per use, then
     one dense matmul serves every token of the pass."""

@@ -28,6 +28,27 @@ def add_quant_parsers(commands) -> None:
     ppl.add_argument("--json", action="store_true", help="print only JSON")
 
 
+def add_bench_quant_parser(benches) -> None:
+    bench = benches.add_parser("quant", help="SpQR vs reference, round-to-nearest, GPTQ and NF4 on held-out text")
+    bench.add_argument("--target", default=None, help="model (default: embedded model)")
+    bench.add_argument("--tokens", type=int, default=4096, help="held-out tokens per domain (default: 4096)")
+    bench.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
+    bench.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (default: 512)")
+    bench.add_argument("--json", action="store_true", help="print only JSON")
+
+
+def bench_quant(args, console) -> dict:
+    from quant.bench import QuantBenchConfig, run_quant_bench
+    config = QuantBenchConfig(args.target, args.tokens, args.nsamples, args.seqlen)
+    result = run_quant_bench(config, on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    if not args.json:
+        for row in result["rows"]:
+            console.print(f"{row['method']:>16}  {row['bits_per_param']:6.3f} bits  "
+                          + "  ".join(f"{d} {v:.3f}" for d, v in row["perplexity"].items())
+                          + f"  mean increase {row['mean_increase']:+.1%}")
+    return result
+
+
 def default_threshold(bits: int) -> float:
     """Measured on the default model: tau 0.2 (SpQR's paper recipe) kept 4.5-5% of its weights as outliers
     (6.2 bits per parameter at w4); these keep ~0.1-0.3%, inside the 4.7 / 3.8-bit budgets."""

@@ -30,6 +30,8 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--link-gbps", type=float, default=None,
                       help="host->device GB/s for the prediction (default: measured now)")
     plan.add_argument("--disk-gbps", type=float, default=None, help="disk GB/s for the prediction (default: measured now)")
+    plan.add_argument("--weights", default=None, choices=["spqr-w3", "spqr-w4"],
+                      help="plan packed SpQR decoder layers (expected bits per parameter) (default: --dtype)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -59,6 +61,8 @@ def _add_distill_parser(commands) -> None:
 
 
 def _add_bench_parsers(benches) -> None:
+    from runtime.quant_cli import add_bench_quant_parser
+    add_bench_quant_parser(benches)
     draft = benches.add_parser("draft", help="draft vs target: top-1 agreement, rank acceptance, cost per token")
     draft.add_argument("--target", default=None, help="target (default: embedded model)")
     draft.add_argument("--draft", default=None, help="draft folder (default: the target's shipped draft)")
@@ -107,7 +111,9 @@ def _add_bench_spec_parser(benches) -> None:
 
 def cmd_plan(args, console) -> int:
     from offload.plan_report import build_plan, measured_bandwidth
-    plan, bandwidth = build_plan(args), measured_bandwidth(args)
+    from quant.spqr_format import expected_bits_per_param
+    weight_bits = expected_bits_per_param(int(args.weights[-1])) if args.weights else None
+    plan, bandwidth = build_plan(args, weight_bits), measured_bandwidth(args)
     seconds = plan.predicted_transfer_seconds(bandwidth)
     if args.json:
         print(json.dumps({**plan.as_dict(), "bandwidth_gbps": {k: v / 1e9 for k, v in bandwidth.items()},
@@ -217,6 +223,9 @@ def cmd_bench(args, console) -> int:
         result = _bench_draft(args, console)
     if args.bench == "spec":
         result = _bench_spec(args, console)
+    if args.bench == "quant":
+        from runtime.quant_cli import bench_quant
+        result = bench_quant(args, console)
     if args.bench == "stream":
         from offload.stream_bench import run_stream_bench
         sizes = [int(x) for x in args.tokens.split(",") if x.strip()]

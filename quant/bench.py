@@ -1,0 +1,160 @@
+"""`bench quant`: perplexity on held-out text, bits per parameter, dequantization time per layer and bytes
+per pass for the reference weights, SpQR w4/w3, round-to-nearest, plain GPTQ and NF4, in one run.
+
+Held-out text, kept apart from calibration (quant/calibration_data.py): GSM8K test problems (math
+prose), standard-library modules not used for calibration (code), the even-numbered documentation
+topics (prose), and the reference model's own greedy answers to MT-Bench first turns (chat answers).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from offload import LoadedModel, LoadOptions, load_model
+from offload.gguf_import import cache_root
+from offload.loader import build_engine
+from spec import DecodeConfig, Decoder, SamplingConfig
+from .baselines import (NF4_BITS, InMemorySource, gptq_layers, nf4, round_to_nearest, rtn_bits,
+                        transformed_layers)
+from .bits import bits_per_param
+from .calibration_data import EVALUATION_MODULES, calibration_windows, documentation_prose, stdlib_code
+from .checkpoint import MATRICES
+from .perplexity import PerplexityConfig, perplexity
+from .quantize import QuantizeConfig, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(slots=True)
+class QuantBenchConfig:
+    target: str | None = None
+    tokens_per_domain: int = 4096
+    nsamples: int = 128
+    seqlen: int = 512
+    chat_prompts: Path | None = ROOT / "bench" / "data" / "mt_bench" / "question.jsonl"
+    gsm8k_test: Path | None = ROOT / "bench" / "data" / "gsm8k" / "test.jsonl"
+    spqr: tuple[tuple[int, float], ...] = ((4, 8.0), (3, 3.0))     # (bits, outlier threshold)
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_domain < 64:
+            raise ValueError(f"tokens per domain must be >= 64, got {self.tokens_per_domain}")
+
+
+def run_quant_bench(config: QuantBenchConfig, on_status: Callable[[str], None] = print) -> dict:
+    reference = load_model(LoadOptions(config.target, device="cpu", dtype="fp32"))
+    texts = heldout_texts(reference, config, on_status)
+    ppl_config = PerplexityConfig(max_tokens=config.tokens_per_domain)
+
+    def evaluate(name: str, model: LoadedModel, bits: float, extra: dict | None = None) -> dict:
+        on_status(f"{name}: perplexity on {', '.join(texts)}")
+        scores = {domain: round(perplexity(model, text, ppl_config)["perplexity"], 4) for domain, text in texts.items()}
+        return {"method": name, "bits_per_param": round(bits, 4), "perplexity": scores, **(extra or {})}
+
+    rows = [evaluate("reference", reference, bits_per_param(reference))]
+    for bits, threshold in config.spqr:
+        rows.append(_spqr_row(config, bits, threshold, evaluate, on_status))
+    source = reference.source
+    for bits in (4, 3):
+        for groupsize in (16, 64):
+            layers = transformed_layers(source, lambda w, b=bits, g=groupsize: round_to_nearest(w, b, g))
+            rows.append(evaluate(f"rtn-w{bits}-g{groupsize}", _in_memory(reference, layers), rtn_bits(bits, groupsize)))
+    calibration = calibration_windows(reference.tokenizer, [], config.nsamples, config.seqlen, seed=0)
+    for bits in (4, 3):
+        on_status(f"gptq-w{bits}-g16: calibrating")
+        layers, bits_used = gptq_layers(source, calibration, bits)
+        rows.append(evaluate(f"gptq-w{bits}-g16", _in_memory(reference, layers), bits_used))
+    rows.append(evaluate("nf4", _in_memory(reference, transformed_layers(source, nf4)), NF4_BITS))
+    _add_increases(rows)
+    return {"bench": "quant", "model": reference.path.name, "window": ppl_config.window, "stride": ppl_config.stride,
+            "tokens_per_domain": config.tokens_per_domain, "calibration": {"nsamples": config.nsamples,
+                                                                            "seqlen": config.seqlen},
+            "rows": rows}
+
+
+def _spqr_row(config: QuantBenchConfig, bits: int, threshold: float, evaluate, on_status) -> dict:
+    folder = cache_root() / "bench_quant" / f"{_model_key(config)}-spqr-w{bits}-t{threshold:g}-n{config.nsamples}" \
+                                             f"-s{config.seqlen}"
+    if not (folder / "config.json").exists():
+        on_status(f"spqr-w{bits}: quantizing into {folder} (resumable)")
+        quantize(QuantizeConfig(config.target, folder, bits, outlier_threshold=threshold, nsamples=config.nsamples,
+                                seqlen=config.seqlen, resume=folder.exists()),
+                 lambda e: on_status(f"spqr-w{bits}: layer {e['layer']} error {e['error']:.2e}"))
+    model = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32"))
+    report = json.loads((folder / "quantize_report.json").read_text())
+    extra = {"outlier_threshold": threshold, "outlier_share": report["outlier_share"],
+             "dequantize_seconds_per_layer": round(dequantize_seconds(model), 5),
+             "bytes_per_pass": model.source.packed_bytes()}
+    return evaluate(f"spqr-w{bits}", model, bits_per_param(model), extra)
+
+
+def dequantize_seconds(model: LoadedModel, repeats: int = 5) -> float:
+    """Median time to decode one packed layer into dense matrices on the compute device."""
+    source, times = model.source, []
+    stored = {name: t.to(model.model.device) for name, t in source.layer(0).items()}
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        decoded = source.decode_layer(0, stored, model.model.dtype)
+        for name in MATRICES:
+            decoded[name].matrix.dequantize(model.model.dtype, permuted=True)
+        model.model.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _in_memory(reference: LoadedModel, layers) -> LoadedModel:
+    source = InMemorySource(reference.source, layers)
+    engine = build_engine(source, LoadOptions(device="cpu", dtype="fp32"))
+    return LoadedModel(reference.path, reference.config, reference.tokenizer, engine.model, engine.layers, engine.plan,
+                       reference.stop_ids, engine.global_bytes, source)
+
+
+def _add_increases(rows: list[dict]) -> None:
+    base = rows[0]["perplexity"]
+    for row in rows:
+        row["increase"] = {d: round(row["perplexity"][d] / base[d] - 1, 4) for d in base}
+        row["mean_increase"] = round(statistics.mean(row["increase"].values()), 4)
+    bytes_fp32 = rows[0]["bits_per_param"] / 8
+    for row in rows:
+        row["bytes_ratio_vs_fp32"] = round(bytes_fp32 * 8 / row["bits_per_param"], 3)
+        row["bytes_ratio_vs_bf16"] = round(16 / row["bits_per_param"], 3)
+
+
+def _model_key(config: QuantBenchConfig) -> str:
+    return "default" if config.target is None else Path(config.target).name
+
+
+def heldout_texts(reference: LoadedModel, config: QuantBenchConfig, on_status) -> dict[str, str]:
+    texts = {"code": stdlib_code(EVALUATION_MODULES), "prose": documentation_prose(0)}
+    if config.gsm8k_test and config.gsm8k_test.exists():
+        rows = [json.loads(line) for line in config.gsm8k_test.read_text().splitlines()[:400]]
+        texts["math"] = "\n\n".join(f"{row['question']}\n{row['answer']}" for row in rows)
+    if config.chat_prompts and config.chat_prompts.exists():
+        texts["chat"] = _chat_answers(reference, config, on_status)
+    return texts
+
+
+def _chat_answers(reference: LoadedModel, config: QuantBenchConfig, on_status) -> str:
+    """The reference model's greedy answers to MT-Bench first turns (generated once, cached)."""
+    cache = cache_root() / "bench_quant" / f"{_model_key(config)}-chat-answers.json"
+    if cache.exists():
+        return json.loads(cache.read_text())["text"]
+    decoder = Decoder(reference.model, reference.stop_ids, DecodeConfig(192, 1024))
+    answers, total = [], 0
+    for line in config.chat_prompts.read_text().splitlines():
+        prompt = json.loads(line)["turns"][0]
+        ids = decoder.generate(reference.tokenizer.encode_chat([{"role": "user", "content": prompt}]),
+                               SamplingConfig()).token_ids
+        answers.append(reference.tokenizer.decode(ids))
+        total += len(ids)
+        on_status(f"chat answers for held-out text: {total} / {config.tokens_per_domain} tokens")
+        if total >= config.tokens_per_domain:
+            break
+    text = "\n\n".join(answers)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"text": text}))
+    return text

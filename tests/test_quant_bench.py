@@ -1,0 +1,54 @@
+"""bench quant on a tiny model: every method's row, bits and perplexity; round-to-nearest and NF4 against
+their definitions."""
+import pytest
+import torch
+
+import runtime  # noqa: F401  (registers the SpQR format)
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint
+from quant.baselines import nf4, round_to_nearest, rtn_bits
+from quant.bench import QuantBenchConfig, run_quant_bench
+
+
+def test_round_to_nearest_matches_its_definition():
+    weight = torch.tensor([[0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]])
+    out = round_to_nearest(weight, bits=2, groupsize=4)          # 4 levels per group: exact here
+    torch.testing.assert_close(out, weight)
+    noisy = weight + torch.tensor([[0.4, -0.3, 0.2, 0.0, 0.1, 0.0, -0.4, 0.0]])
+    assert (round_to_nearest(noisy, 2, 4) - noisy).abs().max() <= (noisy[0, :4].max() - noisy[0, :4].min()) / 6 + 1e-6
+    assert rtn_bits(4, 16) == 6.0 and rtn_bits(3, 64) == 3.5
+
+
+def test_nf4_is_bitsandbytes_four_bit():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    out = nf4(weight)
+    assert out.shape == weight.shape and 0 < (out - weight).abs().mean() < 0.1 * weight.abs().mean()
+    assert len(torch.unique(out[0, :64] / weight[0, :64].abs().max())) <= 16
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qbench")
+    folder, _ = make_tiny_checkpoint(root / "m", "llama", num_hidden_layers=2, vocab_size=64)
+    add_tiny_tokenizer(folder, 64)
+    import os
+    os.environ["SPECSTREAM_CACHE"] = str(root / "cache")
+    config = QuantBenchConfig(str(folder), tokens_per_domain=96, nsamples=4, seqlen=32, chat_prompts=None,
+                              spqr=((4, 8.0), (3, 1.0)))
+    try:
+        return run_quant_bench(config, on_status=lambda message: None)
+    finally:
+        del os.environ["SPECSTREAM_CACHE"]
+
+
+def test_every_method_has_a_row_with_bits_and_perplexity(result):
+    methods = [row["method"] for row in result["rows"]]
+    assert methods == ["reference", "spqr-w4", "spqr-w3", "rtn-w4-g16", "rtn-w4-g64", "rtn-w3-g16", "rtn-w3-g64",
+                       "gptq-w4-g16", "gptq-w3-g16", "nf4"]
+    rows = {row["method"]: row for row in result["rows"]}
+    assert rows["reference"]["bits_per_param"] == 32 and rows["reference"]["mean_increase"] == 0
+    assert 4.6 < rows["spqr-w4"]["bits_per_param"] < 5.5 and 3.6 < rows["spqr-w3"]["bits_per_param"] < 4.6
+    assert rows["gptq-w3-g16"]["bits_per_param"] > 5 and rows["nf4"]["bits_per_param"] == 4.5
+    for row in result["rows"]:
+        assert set(row["perplexity"]) >= {"code", "prose", "math"} and all(v > 1 for v in row["perplexity"].values())
+    assert rows["spqr-w4"]["dequantize_seconds_per_layer"] > 0 and rows["spqr-w4"]["bytes_per_pass"] > 0
+    assert result["window"] == 512 and result["stride"] == 256
