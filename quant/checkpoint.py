@@ -61,8 +61,11 @@ def write_globals(folder: Path, tensors: dict[str, Tensor]) -> None:
     write_safetensors(folder / GLOBALS_FILE, named, {"format": FORMAT_NAME, "version": str(FORMAT_VERSION)})
 
 
-def write_config(folder: Path, source_folder: Path, quantization: dict) -> None:
+def write_config(folder: Path, source_folder: Path, quantization: dict, source_name: str | None = None) -> None:
+    """`source_name` "default": the embedded model's checkpoint, which then runs with its shipped draft."""
     raw = json.loads((source_folder / "config.json").read_text())
+    if source_name:
+        raw["specstream_source"] = source_name
     raw["quantization_config"] = {"quant_method": FORMAT_NAME, "format_version": FORMAT_VERSION, **quantization}
     (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for name in TOKENIZER_FILES:

@@ -162,7 +162,7 @@ def _finish(config: QuantizeConfig, source: CheckpointSource, source_folder: Pat
     quantization = {"bits": config.bits, "groupsize": config.groupsize, "stats_bits": config.stats_bits,
                     "outlier_threshold": config.outlier_threshold if math.isfinite(config.outlier_threshold) else None,
                     "nsamples": config.nsamples, "seqlen": config.seqlen}
-    write_config(config.out, source_folder, quantization)
+    write_config(config.out, source_folder, quantization, "default" if config.target in (None, "default") else None)
     packed = sum(r["packed_bytes"] for r in reports)
     params = sum(r["params"] for r in reports)
     summary = {"out": config.out.name, "layers": len(reports), "bits_per_param": round(8 * packed / params, 4),

@@ -8,6 +8,7 @@ over K rows and the target id of each row. Drafts stay resident on the compute d
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -87,10 +88,19 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
 
 
 def default_draft_for(target: str | None) -> Path | None:
-    """The shipped draft for a target spec (None / "default": the embedded model), if one exists."""
-    if target not in (None, "default"):
+    """The shipped draft for a target spec (None / "default": the embedded model, or a folder derived
+    from it, e.g. its SpQR checkpoint, whose config says `"specstream_source": "default"`), if one exists."""
+    if target not in (None, "default") and _derived_from(target) != "default":
         return None
     return DEFAULT_TARGET_DRAFT if (DEFAULT_TARGET_DRAFT / "config.json").exists() else None
+
+
+def _derived_from(target: str) -> str | None:
+    config = Path(target).expanduser() / "config.json"
+    try:
+        return json.loads(config.read_text()).get("specstream_source") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 class Draft:
