@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload.bandwidth import copy_gbps, host_to_device_gbps  # noqa: E402
 from offload.config import ModelConfig, RopeConfig  # noqa: E402
 from offload.loader import LoadOptions, build_engine  # noqa: E402
+from offload.packing import LayerLayout  # noqa: E402
 from offload.weights import layer_tensor_names  # noqa: E402
 
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128)
@@ -49,6 +50,12 @@ class RandomSource:
                   "gate": (c.intermediate_size, c.hidden_size), "up": (c.intermediate_size, c.hidden_size),
                   "down": (c.hidden_size, c.intermediate_size)}
         return {name: self._rand(*shapes[name]) for name in layer_tensor_names(c)}
+
+    def layout(self, dtype: torch.dtype) -> LayerLayout:
+        return LayerLayout.from_tensors(self.layer(0), dtype)
+
+    def decode_layer(self, index: int, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+        return stored
 
 
 def run(dry_run: bool, num_layers: int, pass_tokens: list[int]) -> dict:

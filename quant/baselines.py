@@ -25,7 +25,7 @@ def round_to_nearest(weight: Tensor, bits: int, groupsize: int) -> Tensor:
     groups = weight.float().view(out, inp // groupsize, groupsize)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scale = ((high - low) / maxq).clamp(min=1e-8).half().float()
-    zero = torch.round(-low / scale).clamp(0, maxq)
+    zero = (-low / scale).half().float()                                   # fp16 zero: the grid spans [low, high]
     return ((torch.round(groups / scale + zero).clamp(0, maxq) - zero) * scale).view(out, inp)
 
 
