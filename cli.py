@@ -26,6 +26,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="draft for speculative decoding: a distilled draft folder, or any model folder, .gguf or "
                             "Hub id with the target's tokenizer (default: the target's shipped draft, if any)")
     group.add_argument("--no-draft", action="store_true", help="never use a draft model (default: off)")
+    group.add_argument("--judge", default=None,
+                       help="AutoJudge file or 'default': also accept draft tokens it scores unimportant (lossy: "
+                            "the answer may differ from the target's) (default: off, exact)")
+    group.add_argument("--judge-threshold", type=float, default=None,
+                       help="accept a mismatch when p(important) < this, in [0, 1] (default: the judge's "
+                            "median on validation mismatches)")
     group.add_argument("--budget", default="auto",
                        help="tree tokens verified per target pass, 1-8192, or auto: sized from the measured pass "
                             "time and recent acceptance (default: auto)")
@@ -88,7 +94,8 @@ def _session(args, console):
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     ram = parse_bytes(args.ram) if args.ram else None
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
-                           args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget))
+                           args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget), args.judge,
+                           args.judge_threshold)
     return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
                    on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False),
                    on_progress=ConversionBar(console))
@@ -137,6 +144,8 @@ def cmd_run(args, console) -> int:
 def _footer(report: dict) -> str:
     speculation = report.get("speculation")
     budget = f" (budget {speculation['budget']['last']})" if speculation else ""
+    if report.get("lossy"):
+        budget += f" · LOSSY: judge accepted {report['judge_accepted']} tokens"
     return (f"{report['num_new_tokens']} tokens · {report['tokens_per_second']:.1f} tok/s · "
             f"{report['tokens_per_pass']:.2f} tok/pass{budget} · peak {report['peak_device_bytes'] / 2**20:.0f} MiB "
             f"· {report['stop_reason']}")

@@ -37,7 +37,7 @@ class QuantBenchConfig:
     nsamples: int = 128
     seqlen: int = 512
     chat_prompts: Path | None = ROOT / "bench" / "data" / "mt_bench" / "question.jsonl"
-    gsm8k_test: Path | None = ROOT / "bench" / "data" / "gsm8k" / "test.jsonl"
+    gsm8k_test: Path | None = ROOT / "judge" / "data" / "gsm8k" / "test.jsonl"
     spqr: tuple[tuple[int, float], ...] = ((4, 8.0), (3, 3.0))     # (bits, outlier threshold)
 
     def __post_init__(self) -> None:

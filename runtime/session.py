@@ -37,6 +37,8 @@ class RuntimeConfig:
     ram: int | None = None          # bytes; None: available RAM minus a margin
     disk_cold: bool = False
     budget: int | None = None       # tree tokens per step; None: chosen automatically
+    judge: str | None = None        # AutoJudge file or "default": lossy acceptance of unimportant mismatches
+    judge_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
@@ -45,6 +47,10 @@ class RuntimeConfig:
             raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
         if self.budget is not None:
             check_budget(self.budget)
+        if self.judge_threshold is not None and not 0 <= self.judge_threshold <= 1:
+            raise ValueError(f"--judge-threshold must lie in [0, 1], got {self.judge_threshold}")
+        if self.judge and self.no_draft:
+            raise ValueError("--judge needs a draft to judge (drop --no-draft)")
 
 
 def _load_target(options: LoadOptions, on_status, on_progress) -> LoadedModel:
@@ -68,8 +74,9 @@ class Session:
         speculator = new_speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
             if self.draft else None
         self._streamed_before = 0
+        self.policy = self._policy()
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator,
-                               self._budget(max_budget, on_status))
+                               self._budget(max_budget, on_status), self.policy)
 
     def _load_target(self, max_budget: int, on_status, on_progress) -> tuple[LoadedModel, int]:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
@@ -107,6 +114,15 @@ class Session:
             if on_warning:
                 on_warning(str(err))
             return None
+
+    def _policy(self):
+        """Lossless acceptance, or the judge's (lossy) when --judge is given."""
+        if not self.config.judge:
+            return None
+        from judge.policy import JudgePolicy, default_threshold, load_judge_for
+        judge = load_judge_for(self.config.judge, self.target.model.embed, self.target.config.hidden_size)
+        threshold = self.config.judge_threshold
+        return JudgePolicy(judge, default_threshold(judge) if threshold is None else threshold)
 
     def _budget(self, max_budget: int, on_status):
         if self.draft is None:
@@ -177,6 +193,9 @@ class Session:
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
             "draft": str(self.draft_path) if self.draft_path else None,
             "speculative": stats.speculative,
+            "lossy": self.policy is not None,
+            "judge_accepted": stats.policy_accepted,
+            **({"judge_threshold": self.policy.threshold} if self.policy else {}),
             **({"speculation": stats.speculation_report()} if stats.speculative else {}),
             "engine": self.engine_stats(),
         }

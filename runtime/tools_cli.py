@@ -7,10 +7,12 @@ from pathlib import Path
 
 
 def add_tool_parsers(commands) -> None:
+    from runtime.judge_cli import add_judge_parsers
     from runtime.quant_cli import add_quant_parsers
     _add_plan_parser(commands)
     _add_distill_parser(commands)
     add_quant_parsers(commands)
+    add_judge_parsers(commands)
     _add_bench_parsers(commands.add_parser("bench", help="benchmarks (print JSON)").add_subparsers(
         dest="bench", required=True))
 
@@ -242,8 +244,9 @@ def cmd_bench(args, console) -> int:
 
 
 def _tool_commands() -> dict:
+    from runtime.judge_cli import JUDGE_COMMANDS
     from runtime.quant_cli import QUANT_COMMANDS
-    return {"plan": cmd_plan, "bench": cmd_bench, "distill": cmd_distill, **QUANT_COMMANDS}
+    return {"plan": cmd_plan, "bench": cmd_bench, "distill": cmd_distill, **QUANT_COMMANDS, **JUDGE_COMMANDS}
 
 
 TOOL_COMMANDS = _tool_commands()

@@ -177,6 +177,9 @@ class Decoder:
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
+        if not self.policy.is_lossless:      # accepted tokens that are not the target's own choice
+            nodes = torch.tensor(path[1:], dtype=torch.long, device=tree.tokens.device)
+            stats.policy_accepted += int((tree.tokens[nodes] != choices[tree.parents[nodes]]).sum())
         self.cache.commit(path)
         self.cached_ids.extend(tree.tokens[path].tolist())
         if slots is not None:

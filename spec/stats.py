@@ -18,6 +18,7 @@ class DecodeStats:
     num_steps: int = 0               # passes after the prefill, one per tree
     tree_tokens: int = 0
     last_budget: int = 0
+    policy_accepted: int = 0         # tokens a lossy acceptance policy (the judge) took against the target
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     overhead_seconds: float = 0.0    # growth bookkeeping, masks, sampling, acceptance, commits

@@ -6,11 +6,13 @@ random weights, saved as safetensors in a temporary folder, and loaded back by o
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from offload.config import ModelConfig
@@ -106,3 +108,37 @@ def add_tiny_tokenizer(folder: Path, vocab_size: int) -> Path:
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0", "unk_token": "t1"}))
     return folder
+
+
+def perturbed_copy(source, target, noise: float, seed: int):
+    """A draft: the target's weights plus relative noise (noise 0: the target itself)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, target / item.name)
+    generator = torch.Generator().manual_seed(seed)
+    for weights in source.glob("*.safetensors"):
+        tensors = load_file(weights)
+        tensors = {k: t + noise * t.std() * torch.randn(t.shape, generator=generator) for k, t in tensors.items()}
+        save_file(tensors, target / weights.name, metadata={"format": "pt"})
+    return target
+
+
+def tiny_pair(root: Path, seed: int, vocab_size: int, noise: float, max_context: int, max_pass_tokens: int,
+              chat_template: str | None = None):
+    """A tiny random target and a perturbed draft saved as ordinary model folders, both loaded on the
+    CPU in fp32 -> (target folder, draft folder, target LoadedModel, Draft)."""
+    import json
+
+    from offload import LoadOptions, load_model
+    from spec import load_any_draft
+    folder, _ = make_tiny_checkpoint(root / "target", "llama", seed=seed, vocab_size=vocab_size, num_hidden_layers=2)
+    add_tiny_tokenizer(folder, vocab_size)
+    draft_folder = perturbed_copy(folder, root / "draft", noise, seed)
+    for item in (folder, draft_folder) if chat_template else ():
+        config = json.loads((item / "tokenizer_config.json").read_text())
+        (item / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    target = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32", max_context=max_context,
+                                    max_pass_tokens=max_pass_tokens))
+    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=max_context))
+    return folder, draft_folder, target, draft

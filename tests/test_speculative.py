@@ -1,32 +1,15 @@
 """Speculative decoding on tiny random pairs saved as ordinary model folders: greedy output is token for
 token the target's own greedy output for every seed, budget, tree shape and tier; stops land where
 target-only decoding stops; Ctrl-C mid-growth or mid-verification leaves both caches usable."""
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from conftest import add_tiny_tokenizer, make_tiny_checkpoint
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint, perturbed_copy
 from offload import LoadOptions, load_model
 from spec import DecodeConfig, Decoder, FixedBudget, GrowthConfig, SamplingConfig, Speculator, load_any_draft
 
 VOCAB = 48
 CONTEXT = 160
-
-
-def perturbed_copy(source, target, noise: float, seed: int):
-    """A draft: the target's weights plus relative noise (noise 0: the target itself)."""
-    target.mkdir(parents=True, exist_ok=True)
-    for item in source.iterdir():
-        if item.suffix != ".safetensors":
-            shutil.copy(item, target / item.name)
-    generator = torch.Generator().manual_seed(seed)
-    for weights in source.glob("*.safetensors"):
-        tensors = load_file(weights)
-        tensors = {k: t + noise * t.std() * torch.randn(t.shape, generator=generator) for k, t in tensors.items()}
-        save_file(tensors, target / weights.name, metadata={"format": "pt"})
-    return target
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ sampler fails this test once in a thousand seeds; the seeds are fixed, so the ou
 import pytest
 import torch
 
-from conftest import add_tiny_tokenizer, make_tiny_checkpoint
-from offload import LoadOptions, load_model
-from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, load_any_draft, probabilities
+from conftest import tiny_pair
+from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, probabilities
 from spec.verify import ExactMatch, matches_target
-from test_speculative import perturbed_copy
 
 VOCAB, RUNS, ALPHA, MIN_GROUP = 5, 2400, 1e-3, 200
 FIRST_SEED = 100_000    # seeds FIRST_SEED + 0..RUNS-1. Seed ranges from 0, 100k, ..., 500k gave
@@ -39,13 +37,7 @@ class DraftFavouriteToo(ExactMatch):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sampling")
-    folder, _ = make_tiny_checkpoint(root / "target", "llama", seed=7, vocab_size=VOCAB, num_hidden_layers=2)
-    add_tiny_tokenizer(folder, VOCAB)
-    draft_folder = perturbed_copy(folder, root / "draft", 0.3, 7)
-    target = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32", max_context=32, max_pass_tokens=16))
-    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=32))
-    return target, draft
+    return tiny_pair(tmp_path_factory.mktemp("sampling"), 7, VOCAB, 0.3, 32, 16)[2:]
 
 
 def target_distribution(target, prefix: list[int]) -> torch.Tensor:
