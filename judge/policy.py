@@ -50,7 +50,10 @@ def load_judge_for(spec: str, target_embed: Tensor, hidden_size: int) -> Judge:
     return judge
 
 
+DEFAULT_SHARE = 0.4     # see README, AutoJudge: the row that kept answer agreement within a point
+
+
 def default_threshold(judge: Judge) -> float:
-    """The threshold that accepted half of the validation mismatches."""
+    """The threshold that accepted DEFAULT_SHARE of the validation mismatches (the nearest row)."""
     shares = judge.thresholds[:, 0]
-    return float(judge.thresholds[(shares - 0.5).abs().argmin(), 1])
+    return float(judge.thresholds[(shares - DEFAULT_SHARE).abs().argmin(), 1])

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from offload import KVCache
 from .draft import Draft
+from .lookup import LOOKUP_LOGPROB, ContextLookup
 from .tree import Tree
 
 NOT_EXPANDED = -1
@@ -72,6 +73,17 @@ class _Pool:
         self.logprobs = torch.cat((self.logprobs, (self.logprobs[parents][:, None] + top.values).reshape(-1)))
         self.slots = torch.cat((self.slots, self.slots.new_full((count,), NOT_EXPANDED)))
 
+    def add_nodes(self, parents: list[int], tokens: list[int], logprob: float) -> None:
+        """One child per listed parent, `logprob` below it."""
+        if not parents:
+            return
+        index = torch.tensor(parents, device=self.tokens.device)
+        self.tokens = torch.cat((self.tokens, torch.tensor(tokens, device=self.tokens.device)))
+        self.parents = torch.cat((self.parents, index))
+        self.depths = torch.cat((self.depths, self.depths[index] + 1))
+        self.logprobs = torch.cat((self.logprobs, self.logprobs[index] + logprob))
+        self.slots = torch.cat((self.slots, self.slots.new_full((len(parents),), NOT_EXPANDED)))
+
     def prune(self, budget: int) -> None:
         """Keeps the `budget` best nodes (the root is always best: log-probability 0), minus any whose
         parent lost a tie at the threshold."""
@@ -114,28 +126,40 @@ class _Pool:
 class TreeGrower:
     """Grows trees with a resident draft whose cache holds the committed sequence up to the root."""
 
-    def __init__(self, draft: Draft, cache: KVCache) -> None:
-        self.draft, self.cache = draft, cache
+    def __init__(self, draft: Draft, cache: KVCache, lookup: ContextLookup | None = None) -> None:
+        self.draft, self.cache, self.lookup = draft, cache, lookup
         self.num_draft_forwards = 0
 
     def grow(self, root_token: int, root_logprobs: Tensor, root_position: int,
-             config: GrowthConfig) -> tuple[Tree, Tensor]:
-        """root_logprobs [K]: the draft at the root. -> (tree in best-first order, [N] draft slots)."""
+             config: GrowthConfig, before_root: int | None = None) -> tuple[Tree, Tensor]:
+        """root_logprobs [K]: the draft at the root; before_root: the committed token before it (for
+        context lookup). -> (tree in best-first order, [N] draft slots)."""
         pool = _Pool(root_token, root_logprobs.device)
         if config.budget == 1 or config.max_depth == 0:
             return pool.best_first()
         vocab_map = self.draft.vocab_map
-        pool.add_children(torch.zeros(1, dtype=torch.long, device=pool.tokens.device), root_logprobs[None],
-                          vocab_map, min(config.max_children, config.budget - 1))
-        pool.prune(config.budget)
+        chosen = torch.zeros(1, dtype=torch.long, device=pool.tokens.device)
+        logq = root_logprobs[None]
         while True:
+            pool.add_children(chosen, logq, vocab_map, min(config.max_children, config.budget - 1))
+            self._add_lookups(pool, chosen, before_root)
+            pool.prune(config.budget)
             chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
             if chosen.numel() == 0 or self.cache.num_slots + chosen.numel() > self.cache.max_length:
                 break
             logq = self._expand(pool, chosen, root_position)
-            pool.add_children(chosen, logq, vocab_map, min(config.max_children, config.budget - 1))
-            pool.prune(config.budget)
         return pool.best_first()
+
+    def _add_lookups(self, pool: _Pool, chosen: Tensor, before_root: int | None) -> None:
+        """The context lookup's out-of-vocabulary child of each node just expanded."""
+        if self.lookup is None or before_root is None:
+            return
+        nodes = chosen.tolist()
+        parents = pool.parents[chosen].tolist()
+        last = pool.tokens[chosen].tolist()
+        previous = [before_root if p < 0 else int(pool.tokens[p]) for p in parents]
+        found = [(node, token) for node, token in zip(nodes, self.lookup.children(previous, last)) if token is not None]
+        pool.add_nodes([node for node, _ in found], [token for _, token in found], LOOKUP_LOGPROB)
 
     def _expand(self, pool: _Pool, chosen: Tensor, root_position: int) -> Tensor:
         """One draft forward over the chosen nodes -> [W, K] log-probabilities of their children."""

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .draft import Draft
 from .grow import GrowthConfig, TreeGrower
+from .lookup import ContextLookup
 from .tree import Tree
 
 
@@ -24,7 +25,9 @@ class Speculator:
         # expanded nodes that later drop out (growth stops before overflowing it).
         self.cache = draft.model.new_cache(max_context + 2 * max_budget + 256)
         self.cached_ids: list[int] = []
-        self.grower = TreeGrower(draft, self.cache)
+        # Only a trimmed draft has tokens it cannot propose; a full-vocabulary draft needs no lookup.
+        self.lookup = ContextLookup(draft.vocab_map) if draft.is_trimmed else None
+        self.grower = TreeGrower(draft, self.cache, self.lookup)
         self.forward_seconds = 0.0        # draft compute of the last propose (catch-up + growth)
 
     def reset(self) -> None:
@@ -41,8 +44,12 @@ class Speculator:
     def propose(self, committed_ids: list[int], root: int, config: GrowthConfig) -> tuple[Tree, Tensor]:
         """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node)."""
         start = time.perf_counter()
-        root_logprobs = self._catch_up(committed_ids + [root])
-        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config)
+        sequence = committed_ids + [root]
+        root_logprobs = self._catch_up(sequence)
+        if self.lookup is not None:
+            self.lookup.sync(sequence)
+        before_root = committed_ids[-1] if committed_ids else None
+        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config, before_root)
         self.draft.model.synchronize()
         self.forward_seconds = time.perf_counter() - start
         return tree, slots

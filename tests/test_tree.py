@@ -148,3 +148,35 @@ def test_budget_one_is_the_root_alone(tiny_draft):
     cache = tiny_draft.model.new_cache(16)
     tree, _ = TreeGrower(tiny_draft, cache).grow(5, torch.zeros(32).log_softmax(-1), 0, GrowthConfig(1))
     assert tree.num_nodes == 1 and cache.num_pending == 0
+
+
+def test_context_lookup_proposes_the_last_out_of_vocabulary_follower_of_a_bigram():
+    from spec.lookup import ContextLookup
+    lookup = ContextLookup(torch.tensor([1, 2, 3, 4]))              # the draft can propose 1..4 only
+    lookup.sync([1, 2, 9, 3, 1, 2, 8, 4])                            # (1, 2) -> 9, later (1, 2) -> 8
+    assert lookup.children([1, 2, 3], [2, 8, 4]) == [8, None, None]
+    lookup.sync([1, 2, 9, 3, 1, 2, 8, 4, 2, 8, 7])                   # an extension: (2, 8) -> 7 added
+    assert lookup.children([2, 1], [8, 2]) == [7, 8]
+    lookup.sync([5, 6, 12])                                          # a new conversation: index rebuilt
+    assert lookup.children([1, 5], [2, 6]) == [None, 12]
+    lookup.sync([5, 6, 12, 5, 6, 3])                                 # in-vocabulary followers are left to the draft
+    assert lookup.children([5], [6]) == [12]
+
+
+def test_growth_adds_the_context_lookup_child_and_expands_it_causally(tiny_draft):
+    from spec.lookup import LOOKUP_LOGPROB, ContextLookup
+    prefix, root = [9, 5, 20, 3, 1, 9], 5                 # (9, 5) was followed by 20, outside the rows 0..15
+    lookup = ContextLookup(torch.arange(16))
+    lookup.sync(prefix + [root])
+    cache = tiny_draft.model.new_cache(128)
+    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
+    cache.commit()
+    grower = TreeGrower(tiny_draft, cache, lookup)
+    tree, _ = grower.grow(root, root_logprobs, len(prefix), GrowthConfig(40, 4, 3, 3), before_root=prefix[-1])
+    got = grown_paths(tree)
+    assert math.isclose(got[(20,)], LOOKUP_LOGPROB, abs_tol=1e-6)
+    under = {path: logp for path, logp in got.items() if len(path) == 2 and path[0] == 20}
+    assert under, "the lookup child was expanded"
+    after = sequential_logprobs(tiny_draft, prefix, [root, 20])
+    for path, logp in under.items():
+        assert math.isclose(logp, LOOKUP_LOGPROB + float(after[path[1]]), abs_tol=1e-4)
