@@ -13,7 +13,7 @@ import torch
 from .classifier import Judge, fit_logistic, roc_auc
 
 L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
-ACCEPT_SHARES = (0.2, 0.4, 0.6, 0.8)      # `judge eval` runs each row: keep the table short
+ACCEPT_SHARES = (0.05, 0.1, 0.2, 0.4)     # `judge eval` runs each row: keep the table short
 VALIDATION_SHARE = 0.2
 
 

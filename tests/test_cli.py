@@ -161,3 +161,28 @@ def test_shipped_draft_is_the_default_pair_and_runs_alone():
     alone = cli("run", "What is 2+2?", "--target", str(ROOT / "spec" / "drafts" / "smollm2-135m-instruct"), "--json",
                 "--max-new-tokens", "8")
     assert alone.returncode == 0 and 1 <= json.loads(alone.stdout)["num_new_tokens"] <= 8
+
+
+def test_shipped_judge_is_lossy_and_says_so_and_threshold_zero_is_exact():
+    prompt = "Tom has 3 boxes of 12 pencils and gives away 7. How many pencils are left?"
+    judged = cli("run", prompt, "--judge", "default", "--budget", "16", "--max-new-tokens", "64", "--json")
+    assert judged.returncode == 0, judged.stderr
+    report = json.loads(judged.stdout)
+    assert report["lossy"] is True and report["judge_accepted"] >= 0 and 0 < report["judge_threshold"] < 1
+    exact = json.loads(cli("run", prompt, "--no-draft", "--max-new-tokens", "64", "--json").stdout)
+    strict = json.loads(cli("run", prompt, "--judge", "default", "--judge-threshold", "0", "--budget", "16",
+                            "--max-new-tokens", "64", "--json").stdout)
+    assert strict["text"] == exact["text"] and strict["judge_accepted"] == 0
+    footer = cli("run", prompt, "--judge", "default", "--budget", "16", "--max-new-tokens", "16").stderr
+    assert "LOSSY: judge accepted" in footer                       # the footer goes to stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--judge", "default", "--judge-threshold", "1.5"], "[0, 1]"),
+    (["--judge", "/no/such/judge.safetensors"], "judge file not found"),
+    (["--judge", "default", "--no-draft"], "needs a draft"),
+])
+def test_bad_judge_flags_are_one_line(args, fragment):
+    result = cli("run", "hi", *args)
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
