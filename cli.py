@@ -31,7 +31,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                             "the answer may differ from the target's) (default: off, exact)")
     group.add_argument("--judge-threshold", type=float, default=None,
                        help="accept a mismatch when p(important) < this, in [0, 1] (default: the judge's "
-                            "row that accepted 40%% of validation mismatches)")
+                            "row that accepted 5%% of held-out mismatches)")
     group.add_argument("--budget", default="auto",
                        help="tree tokens verified per target pass, 1-8192, or auto: sized from the measured pass "
                             "time and recent acceptance (default: auto)")

@@ -88,7 +88,7 @@ def _train(args, console) -> int:
     embed = CheckpointSource(resolve_model(args.target)).global_tensors()["embed"]
     judge, report = train_judge(args.data, embedding_fingerprint(embed))
     judge.save(args.out)
-    console.print(f"judge: ROC-AUC {report['roc_auc']:.3f} on {report['validation_problems']} held-out problems, "
+    console.print(f"judge: out-of-fold ROC-AUC {report['roc_auc']:.3f} ({report['folds']} folds by problem), "
                   f"{report['records']} mismatches ({report['important_share']:.0%} important)")
     print(json.dumps(report))
     return 0

@@ -97,14 +97,14 @@ def write_mined(path, features, labels, problems_of):
     path.write_text("\n".join(lines[:5]) + "\n{torn line\n" + "\n".join(lines[5:]) + "\n")
 
 
-def test_train_splits_by_problem_and_saves_a_judge_that_loads_back(tmp_path):
+def test_train_cross_validates_by_problem_and_saves_a_judge_that_loads_back(tmp_path):
     features, labels = synthetic_records(800, 2)
     mined = tmp_path / "mined.jsonl"
     write_mined(mined, features, labels, lambda i: f"p{i // 10}")
     skipped = []
     assert len(read_mined([mined], on_skip=skipped.append)[1]) == 800 and len(skipped) == 1
     judge, report = train_judge([mined], "fp")
-    assert report["problems"] == 80 and report["validation_problems"] == 16 and report["roc_auc"] > 0.85
+    assert report["problems"] == 80 and report["folds"] == 5 and report["roc_auc"] > 0.85
     cutoffs = judge.thresholds[:, 1]
     assert (cutoffs[1:] >= cutoffs[:-1]).all() and 0 < default_threshold(judge) < 1
     judge.save(tmp_path / "j.safetensors")
