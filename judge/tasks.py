@@ -17,6 +17,7 @@ from .sandbox import run_program
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_FILES = {"train": ROOT / "spec" / "distill" / "data" / "gsm8k" / "train.jsonl",
                "test": Path(__file__).resolve().parent / "data" / "gsm8k" / "test.jsonl"}
+IMPORT_LINE = re.compile(r"^(?:from\s+\S+\s+import\s|import\s)")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 GSM8K_INSTRUCTION = "Solve this math problem step by step. End with the final answer after '####'."
 
@@ -76,7 +77,10 @@ class HumanEval:
                 for row in rows if int(row["task_id"].split("/")[-1]) % 2 == parity]
 
     def outcome(self, problem: Problem, response: str) -> bool:
-        program = f"{extract_code(response)}\n\n{problem.gold}\n\ncheck({problem.extra})\n"
+        """The response's code, after the imports of the task's own prompt (a chat answer that rewrites
+        `def f(x: List[int])` rarely repeats `from typing import List`), then the task's tests."""
+        imports = "\n".join(line for line in problem.prompt.splitlines() if IMPORT_LINE.match(line))
+        program = f"{imports}\n{extract_code(response)}\n\n{problem.gold}\n\ncheck({problem.extra})\n"
         return run_program(program, self.TIMEOUT_SECONDS).passed
 
     def is_correct(self, problem: Problem, response: str) -> bool:

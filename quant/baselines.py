@@ -2,7 +2,9 @@
 scale and zero per group, plain GPTQ (fp16 group statistics, no outliers), bitsandbytes NF4."""
 from __future__ import annotations
 
+import logging
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -35,12 +37,30 @@ def rtn_bits(bits: int, groupsize: int) -> float:
 
 def nf4(weight: Tensor) -> Tensor:
     """bitsandbytes' NF4 (blocks of 64, fp32 absmax per block), dequantized."""
-    import bitsandbytes.functional as bnb
+    bnb = _bitsandbytes_functional()
     packed, state = bnb.quantize_4bit(weight.float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
     return bnb.dequantize_4bit(packed, state).view(weight.shape).float()
 
 
 NF4_BITS = 4 + 32 / NF4_BLOCK
+
+
+def _bitsandbytes_functional():
+    """bitsandbytes.functional, imported without its CPU backend's attempt to download a kernel from the
+    Hugging Face Hub (made at import time when the `kernels` package is installed): nothing here fetches
+    at run time, and NF4's quantize/dequantize do not use that kernel."""
+    if "bitsandbytes.functional" not in sys.modules and "kernels" not in sys.modules:
+        sys.modules["kernels"] = None                      # `from kernels import ...` raises ImportError
+        quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            import bitsandbytes.functional
+        finally:
+            del sys.modules["kernels"]
+            quiet.setLevel(level)
+    import bitsandbytes.functional as bnb
+    return bnb
 
 
 def transformed_layers(source: CheckpointSource, transform) -> list[dict[str, Tensor]]:

@@ -51,8 +51,8 @@ def test_sandbox_passes_fails_and_contains_hangs_memory_and_network():
 
 
 def test_humaneval_outcome_runs_the_tests_on_the_extracted_code(tmp_path, monkeypatch):
-    rows = [{"task_id": f"HumanEval/{i}", "prompt": "def add(a, b):\n", "entry_point": "add",
-             "test": "def check(f):\n    assert f(2, 3) == 5\n"} for i in range(2)]
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": "from typing import List\n\n\ndef add(a, b):\n",
+             "entry_point": "add", "test": "def check(f):\n    assert f(2, 3) == 5\n"} for i in range(2)]
     path = tmp_path / "he.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     task = HumanEval()
@@ -61,6 +61,7 @@ def test_humaneval_outcome_runs_the_tests_on_the_extracted_code(tmp_path, monkey
     assert [p.id for p in train] == ["HumanEval/0"] and [p.id for p in test] == ["HumanEval/1"]
     good = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
     assert extract_code(good).startswith("def add") and task.outcome(train[0], good) is True
+    assert task.outcome(train[0], "```python\ndef add(a: List[int], b) -> List[int]:\n    return a + b\n```") is True
     assert task.outcome(train[0], "```python\ndef add(a, b):\n    return a - b\n```") is False
     assert task.outcome(train[0], "```python\ndef add(a, b):\n    while True: pass\n```") is False
 
