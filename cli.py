@@ -96,9 +96,14 @@ def _session(args, console):
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
                            args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget), args.judge,
                            args.judge_threshold)
-    return Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
-                   on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False),
-                   on_progress=ConversionBar(console))
+    session = Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
+                      on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False),
+                      on_progress=ConversionBar(console))
+    if session.policy is not None:
+        console.print(f"[yellow]lossy decoding:[/yellow] the judge (p(important) < {session.policy.threshold:.4g}) "
+                      "accepts draft tokens the target would not choose; answers may differ from the target's",
+                      highlight=False)
+    return session
 
 
 class ConversionBar:
@@ -213,8 +218,11 @@ def cmd_batch(args, console) -> int:
     sampling = _sampling(args)
     session = _session(args, console)
 
+    judged = [0]
+
     def generate(item, item_sampling, max_tokens):
         text, result = session.generate(session.encode(item.messages), item_sampling, max_tokens)
+        judged[0] += result.stats.policy_accepted
         return text, session.report(text, result)
 
     columns = (TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -225,7 +233,8 @@ def cmd_batch(args, console) -> int:
     for skipped in summary.skipped_lines:
         console.print(f"[yellow]skipped {skipped}[/yellow]")
     console.print(f"{summary.num_completed} completed, {summary.num_failed} failed, "
-                  f"{summary.num_done_before} already done, {len(summary.skipped_lines)} lines skipped")
+                  f"{summary.num_done_before} already done, {len(summary.skipped_lines)} lines skipped"
+                  + (f"; lossy: the judge accepted {judged[0]} tokens" if session.policy else ""))
     return 0 if summary.is_clean else EXIT_SKIPPED
 
 

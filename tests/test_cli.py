@@ -174,7 +174,7 @@ def test_shipped_judge_is_lossy_and_says_so_and_threshold_zero_is_exact():
                             "--max-new-tokens", "64", "--json").stdout)
     assert strict["text"] == exact["text"] and strict["judge_accepted"] == 0
     footer = cli("run", prompt, "--judge", "default", "--budget", "16", "--max-new-tokens", "16").stderr
-    assert "LOSSY: judge accepted" in footer                       # the footer goes to stderr
+    assert "LOSSY: judge accepted" in " ".join(footer.split())   # the footer goes to stderr
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -186,3 +186,14 @@ def test_bad_judge_flags_are_one_line(args, fragment):
     result = cli("run", "hi", *args)
     assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_batch_with_the_judge_says_it_is_lossy(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "prompt": "What is 3+4?"}) + "\n")
+    result = cli("batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--judge", "default",
+                 "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stderr.split())                     # rich wraps lines at the terminal width
+    assert "lossy decoding" in said and "lossy: the judge accepted" in said
+    assert json.loads((tmp_path / "out.jsonl").read_text())["custom_id"] == "a"
