@@ -8,7 +8,7 @@ safetensors file tied to the target it was mined with.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,10 +43,14 @@ class Judge:
     def hidden_size(self) -> int:
         return self.mean.shape[0]
 
+    def to(self, device: torch.device) -> "Judge":
+        return replace(self, mean=self.mean.to(device), scale=self.scale.to(device), weight=self.weight.to(device),
+                       bias=self.bias.to(device))
+
     def important_probability(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> p(important) [...]."""
-        h = (hidden.float() - self.mean.to(hidden.device)) / self.scale.to(hidden.device)
-        return torch.sigmoid(h @ self.weight.to(hidden.device) + self.bias.to(hidden.device))
+        """hidden [..., H] (on the judge's device) -> p(important) [...]."""
+        h = (hidden.float() - self.mean) / self.scale
+        return torch.sigmoid(h @ self.weight + self.bias)
 
     def save(self, path: Path) -> None:
         tensors = {"mean": self.mean, "scale": self.scale, "weight": self.weight, "bias": self.bias,

@@ -20,17 +20,19 @@ class JudgePolicy:
     needs_hidden = True
 
     def __init__(self, judge: Judge, threshold: float) -> None:
-        if not 0 <= threshold <= 1:
-            raise ValueError(f"--judge-threshold must lie in [0, 1], got {threshold}")
+        check_threshold(threshold)
         self.judge, self.threshold = judge, threshold
 
     def accept(self, tree: Tree, verdict: Verdict) -> Tensor:
         exact = matches_target(tree, verdict.choices)
         at_parent = verdict.hidden[tree.parents.clamp(min=0).to(verdict.hidden.device)]       # [N, H]
         unimportant = self.judge.important_probability(at_parent).to(exact.device) < self.threshold
-        ok = exact | unimportant
-        ok[0] = True
-        return ok
+        return exact | unimportant                   # the root stays accepted: matches_target marks it
+
+
+def check_threshold(threshold: float) -> None:
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"judge thresholds must lie in [0, 1], got {threshold}")
 
 
 def load_judge_for(spec: str, target_embed: Tensor, hidden_size: int) -> Judge:
@@ -47,7 +49,7 @@ def load_judge_for(spec: str, target_embed: Tensor, hidden_size: int) -> Judge:
     if judge.target_fingerprint != fingerprint:
         raise JudgeFormatError(f"{path} was trained for another target (fingerprint {judge.target_fingerprint}, "
                                f"this target {fingerprint}); mine and train a judge for it with `judge mine`")
-    return judge
+    return judge.to(target_embed.device)
 
 
 DEFAULT_SHARE = 0.05    # the most conservative row (README, AutoJudge: on the default pair every row costs agreement)

@@ -96,7 +96,7 @@ def _train(args, console) -> int:
 
 def _eval(args, console) -> int:
     from judge.evaluate import EvalConfig, evaluate_judge
-    from judge.policy import load_judge_for
+    from judge.policy import check_threshold, load_judge_for
     from judge.tasks import get_task
     task = get_task(args.task)
     split_file = args.data
@@ -106,9 +106,8 @@ def _eval(args, console) -> int:
     judge = load_judge_for(args.judge, target.model.embed, target.config.hidden_size)
     thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else \
         [round(float(t), 4) for t in judge.thresholds[:, 1]]
-    for threshold in thresholds:
-        if not 0 <= threshold <= 1:
-            raise ValueError(f"thresholds must lie in [0, 1], got {threshold}")
+    for threshold in thresholds:              # checked before the long lossless run
+        check_threshold(threshold)
     result = evaluate_judge(target, draft, judge, task, problems, thresholds,
                             EvalConfig(args.budget, args.max_new_tokens),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]"))

@@ -47,8 +47,9 @@ class RuntimeConfig:
             raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
         if self.budget is not None:
             check_budget(self.budget)
-        if self.judge_threshold is not None and not 0 <= self.judge_threshold <= 1:
-            raise ValueError(f"--judge-threshold must lie in [0, 1], got {self.judge_threshold}")
+        if self.judge_threshold is not None:
+            from judge.policy import check_threshold
+            check_threshold(self.judge_threshold)
         if self.judge and self.no_draft:
             raise ValueError("--judge needs a draft to judge (drop --no-draft)")
 

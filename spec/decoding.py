@@ -17,7 +17,7 @@ from .sampling import SamplingConfig, make_generator, sample
 from .speculator import Speculator
 from .stats import DecodeStats
 from .tree import Tree
-from .verify import AcceptancePolicy, ExactMatch, Verdict, accepted_path, target_choices
+from .verify import AcceptancePolicy, ExactMatch, Verdict, accepted_path, matches_target, target_choices
 
 
 @dataclass(slots=True)
@@ -178,8 +178,7 @@ class Decoder:
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
         if not self.policy.is_lossless:      # accepted tokens that are not the target's own choice
-            nodes = torch.tensor(path[1:], dtype=torch.long, device=tree.tokens.device)
-            stats.policy_accepted += int((tree.tokens[nodes] != choices[tree.parents[nodes]]).sum())
+            stats.policy_accepted += int((~matches_target(tree, choices))[path[1:]].sum())
         self.cache.commit(path)
         self.cached_ids.extend(tree.tokens[path].tolist())
         if slots is not None:

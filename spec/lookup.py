@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 LOOKUP_LOGPROB = math.log(0.25)      # the draft-side probability a lookup child is ranked with
@@ -21,13 +20,12 @@ class ContextLookup:
     draft's vocabulary only."""
 
     def __init__(self, vocab_map: Tensor) -> None:
-        self._in_vocab = torch.zeros(int(vocab_map.max()) + 1, dtype=torch.bool)
-        self._in_vocab[vocab_map.cpu()] = True
+        self._in_vocab = set(vocab_map.tolist())
         self._next: dict[tuple[int, int], int] = {}
         self._ids: list[int] = []
 
     def in_vocab(self, token: int) -> bool:
-        return token < len(self._in_vocab) and bool(self._in_vocab[token])
+        return token in self._in_vocab
 
     def sync(self, ids: list[int]) -> None:
         """Indexes `ids` (the committed sequence); re-indexes from scratch when it is not an extension
