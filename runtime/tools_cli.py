@@ -52,7 +52,18 @@ def _add_distill_parser(commands) -> None:
                          help="extra training prompts (JSONL) or text/code files (default: none)")
     distill.add_argument("--template-prompts", type=int, default=8000,
                          help="synthetic chat prompts answered by the target (default: 8000)")
+    distill.add_argument("--self-prompts", type=int, default=2480,
+                         help="prompts the target writes itself, then answers (default: 2480)")
+    distill.add_argument("--gsm8k-prompts", type=int, default=1000, help="GSM8K train questions (default: 1000)")
+    distill.add_argument("--sampled-prompts", type=int, default=600,
+                         help="prompts also answered with sampling at temperature 0.8 (default: 600)")
+    distill.add_argument("--init-draft", type=Path, default=None,
+                         help="start from this trained draft: its layers and head rows; new tokens join its "
+                              "vocabulary up to --vocab-top (default: start from the target's layers)")
+    distill.add_argument("--head-only", action="store_true",
+                         help="with --init-draft: train only the head rows and biases (default: off)")
     distill.add_argument("--steps", type=int, default=3000, help="training steps (default: 3000)")
+    distill.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
     distill.add_argument("--resume", action="store_true", help="continue the run in --out (default: off)")
     distill.add_argument("--revocab", action="store_true",
                          help="with --resume: re-choose the output vocabulary on the grown corpus, keeping "
@@ -145,7 +156,10 @@ def cmd_distill(args, console) -> int:
     from spec.distill import DistillConfig, distill
     config = DistillConfig(args.target, args.out, args.kind, args.layers, args.reuse_layers, args.vocab_top,
                            list(args.data), num_steps=args.steps, resume=args.resume, revocab=args.revocab,
-                           device=args.device, dtype=args.dtype, num_template_prompts=args.template_prompts)
+                           device=args.device, dtype=args.dtype, num_template_prompts=args.template_prompts,
+                           num_self_prompts=args.self_prompts, max_gsm8k_prompts=args.gsm8k_prompts,
+                           num_sampled_prompts=args.sampled_prompts, init_draft=args.init_draft,
+                           head_only=args.head_only, learning_rate=args.lr)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("distill", total=None)

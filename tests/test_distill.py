@@ -334,3 +334,44 @@ def test_default_target_resolves_to_the_shipped_draft():
     info = read_draft_info(folder)
     assert info.target == "default" and info.kind in ("small", "early-exit")
     assert sum(p.stat().st_size for p in folder.iterdir()) <= 25_000_000
+
+
+def test_init_draft_widens_the_vocabulary_and_head_only_trains_only_the_head(target, corpus, tmp_path):
+    from spec.distill import DistillConfig, distill
+    from spec.distill.draft_model import DraftModel
+    from spec.distill.init_draft import draft_from_draft, widened_vocab
+    old, source = _draft(target, vocab_top=64)
+    Trainer(old, corpus[:20], corpus[20:], TrainConfig(num_steps=3, batch_tokens=256, learning_rate=3e-3, warmup_steps=1,
+                                                       eval_every=1000, use_bf16=False), tmp_path / "w").run()
+    start = _save(target, old, tmp_path / "start", source)
+    stored = load_draft_module(start, embed=old.embed)
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[200:230] = torch.arange(30, 0, -1)
+    wide = widened_vocab(counts, stored.vocab_map, 80, set(target.stop_ids))
+    assert set(stored.vocab_map.tolist()) < set(wide.tolist()) and wide.numel() == 80
+    grown = draft_from_draft(start, source, wide)
+    rows = out_of_set_rows(stored.vocab_map, VOCAB)[wide]
+    assert torch.equal(grown.head.detach()[rows >= 0], stored.head.detach()[rows[rows >= 0]])
+    target_head = source.global_tensors().get("lm_head", source.global_tensors()["embed"]).float()
+    assert torch.equal(grown.head.detach()[rows < 0], target_head[wide[rows < 0]])
+    generation = GenerationConfig(batch_size=4, max_new_tokens=6, max_prompt_tokens=200, top_k=4, prefill_chunk=64)
+    config = DistillConfig(str(target.path), tmp_path / "wide", vocab_top=100, num_steps=3, batch_tokens=256,
+                           num_self_prompts=0, max_gsm8k_prompts=3, max_prompts=8, num_sampled_prompts=0,
+                           generation=generation, device="cpu", dtype="fp32", init_draft=start, head_only=True,
+                           learning_rate=0.5)
+    distill(config)
+    result = load_draft_module(config.out_dir, embed=old.embed)
+    assert set(stored.vocab_map.tolist()) <= set(result.vocab_map.tolist())
+    assert result.vocab_top > stored.vocab_top
+    for before, after in zip(stored.layers, result.layers):        # the body did not train
+        for name in before.weights:
+            assert torch.allclose(before.weights[name], after.weights[name], atol=1e-6)
+    kept = out_of_set_rows(result.vocab_map, VOCAB)[stored.vocab_map]
+    assert not torch.allclose(result.head.detach()[kept], stored.head.detach(), atol=1e-3)   # the head did
+    assert read_draft_info(config.out_dir).training["init_draft"] == "start"
+    config.resume, config.head_only, config.num_steps = True, False, 4
+    with pytest.raises(ValueError, match="same --head-only"):
+        distill(config)
+    with pytest.raises(ValueError, match="--init-draft"):
+        DistillConfig(str(target.path), tmp_path / "x", head_only=True)
+    assert isinstance(grown, DraftModel)

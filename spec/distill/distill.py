@@ -19,7 +19,8 @@ from offload.weights import CheckpointSource
 from .batches import is_validation
 from .collect import collect_answers, collect_self_prompts
 from .corpus import load_corpus, source_summary, token_counts
-from spec.draft_folder import DraftInfo, embedding_fingerprint
+from spec.draft_folder import DraftInfo, embedding_fingerprint, read_draft_info
+from .init_draft import draft_from_draft, draft_vocab, freeze_all_but_head, init_draft_recipe, widened_vocab
 from .draft_io import save_draft
 from .draft_model import DRAFT_KINDS, DraftModel, choose_vocab, draft_from_target, init_layer_indices
 from .generate import GenerationConfig
@@ -60,6 +61,8 @@ class DistillConfig:
                                             # ~6x faster than fp32 on CPUs with AMX
     checkpoint_seconds: float = 300.0
     seed: int = 0
+    init_draft: Path | None = None          # start from this trained draft (its layers, kept head rows)
+    head_only: bool = False                 # with init_draft: train only the head rows and biases
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -76,6 +79,11 @@ class DistillConfig:
             raise ValueError("--revocab re-chooses the vocabulary of a run being resumed: add --resume")
         if self.num_layers <= 0 or self.vocab_top < 16:
             raise ValueError(f"layers must be > 0 and vocab-top >= 16, got {self.num_layers}, {self.vocab_top}")
+        if self.head_only and self.init_draft is None:
+            raise ValueError("--head-only trains the head of an existing draft: add --init-draft DIR")
+        if self.init_draft is not None:
+            self.init_draft = Path(self.init_draft).expanduser()
+            read_draft_info(self.init_draft)        # a clear error for a folder that is not a draft
         for path in self.data:
             if not Path(path).exists():
                 raise FileNotFoundError(f"training data file not found: {path}")
@@ -131,7 +139,12 @@ def _vocab_map(config: DistillConfig, target: LoadedModel, sequences) -> tuple[t
     if old_map is not None and not config.revocab:
         return old_map, None
     top = old_map.numel() if old_map is not None else config.vocab_top
-    vocab_map = choose_vocab(token_counts(sequences, target.config.vocab_size), top, target.stop_ids)
+    counts = token_counts(sequences, target.config.vocab_size)
+    if config.init_draft is not None:
+        kept = draft_vocab(config.init_draft)
+        vocab_map = widened_vocab(counts, kept, top, set(target.stop_ids))
+    else:
+        vocab_map = choose_vocab(counts, top, target.stop_ids)
     if old_map is None:
         torch.save(vocab_map, path)
     return vocab_map, old_map
@@ -144,22 +157,35 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
     config.work_dir.mkdir(parents=True, exist_ok=True)
     vocab_map, old_map = _vocab_map(config, target, sequences)
     source = CheckpointSource(target.path, target.config)
-    model = draft_from_target(source, config.kind, config.num_layers, config.num_frozen, vocab_map)
+    if config.init_draft is not None:
+        model = draft_from_draft(config.init_draft, source, vocab_map)
+        if config.head_only:
+            freeze_all_but_head(model)
+    else:
+        model = draft_from_target(source, config.kind, config.num_layers, config.num_frozen, vocab_map)
     checkpoint = config.work_dir / CHECKPOINT_NAME
     if old_map is not None:
         if checkpoint.exists():
             revocab_checkpoint(checkpoint, model, old_map, vocab_map)
         torch.save(vocab_map, config.work_dir / VOCAB_FILE)
     model.to(target.model.device)       # trains where the target runs (weights stay float32)
-    info = DraftInfo(config.kind, config.num_frozen, vocab_map.numel(), "default" if config.target in (None, "default")
-                     else str(Path(config.target).resolve() if Path(config.target).exists() else config.target),
-                     embedding_fingerprint(source.global_tensors()["embed"]),
-                     init_layer_indices(config.kind, config.num_layers, config.num_frozen, target.config.num_layers))
+    target_name = "default" if config.target in (None, "default") else \
+        str(Path(config.target).resolve() if Path(config.target).exists() else config.target)
+    fingerprint = embedding_fingerprint(source.global_tensors()["embed"])
+    if config.init_draft is not None:
+        start = read_draft_info(config.init_draft)
+        info = DraftInfo(start.kind, start.target_layers_reused, vocab_map.numel(), target_name, fingerprint,
+                         start.init_layers)
+    else:
+        info = DraftInfo(config.kind, config.num_frozen, vocab_map.numel(), target_name, fingerprint,
+                         init_layer_indices(config.kind, config.num_layers, config.num_frozen, target.config.num_layers))
     train_config = TrainConfig(num_steps=config.num_steps, batch_tokens=config.batch_tokens,
                                learning_rate=config.learning_rate, checkpoint_seconds=config.checkpoint_seconds,
                                loss_start=template_prefix_length(target), seed=config.seed,
                                use_bf16=target.model.dtype == torch.bfloat16)
     info.training = {"corpus_tokens": source_summary(train), "num_sequences": len(train)}
+    if config.init_draft is not None:
+        info.training.update(init_draft_recipe(config.init_draft), head_only=config.head_only)
 
     def export(model: DraftModel, state) -> None:
         last = state.history[-1] if state.history else {}

@@ -144,16 +144,23 @@ class Trainer:
         """Trainable weights, optimizer and progress, written atomically; then on_checkpoint exports."""
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                   "state": asdict(self.state), "config": asdict(self.config)}
+                   "state": asdict(self.state), "config": asdict(self.config), "trainable": self.trainable_names()}
         write_checkpoint(payload, self.checkpoint_path)
         if self.on_checkpoint:
             self.on_checkpoint(self.model, self.state)
+
+    def trainable_names(self) -> list[str]:
+        return [name for name, param in self.model.named_parameters() if param.requires_grad]
 
     def load_checkpoint(self) -> bool:
         """Continues from the checkpoint in work_dir if there is one; returns whether it did."""
         if not self.checkpoint_path.exists():
             return False
         payload = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        trained = payload.get("trainable", self.trainable_names())
+        if trained != self.trainable_names():
+            raise ValueError(f"{self.checkpoint_path} trained {len(trained)} tensors, this run "
+                             f"{len(self.trainable_names())}: resume with the same --head-only setting")
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.state = TrainState(**payload["state"])
