@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .devices import check_names, choose_device, choose_dtype
 from .model import DecoderModel
 from .packing import LayerLayout
-from .planner import Plan, PlanRequest, make_plan
+from .planner import Plan, PlanRequest, make_plan, streaming_budget
 from .resident import to_device
 from .sources import resolve_model
 from .stream import StreamingLayers
@@ -69,6 +69,18 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
     engine = build_engine(source, options)
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
                        stop_token_ids(path, config, tokenizer), engine.global_bytes, source)
+
+
+def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> int:
+    """The --gpu-mem at which this model, loaded with `options`, keeps only `resident_layers` decoder
+    layers on the device and streams the rest (its layer bytes as stored: packed formats count packed)."""
+    path = resolve_model(options.model, options.allow_download)
+    source = open_source(path, ModelConfig.from_file(path))
+    device = choose_device(options.device)
+    dtype = choose_dtype(options.dtype, device)
+    global_bytes = sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
+    request = _plan_request(options, source.config, source.layout(dtype), global_bytes, device, dtype)
+    return streaming_budget(request, resident_layers)
 
 
 @dataclass(slots=True)

@@ -99,7 +99,8 @@ def workspace_bytes(request: PlanRequest) -> int:
     return tokens * per_token + scores + logits
 
 
-def make_plan(request: PlanRequest) -> Plan:
+def _fixed_items(request: PlanRequest) -> list[PlanItem]:
+    """What never streams: globals, draft, KV cache, workspace."""
     cfg = request.config
     fixed = [PlanItem("embeddings, final norm, LM head", "device", request.global_bytes),
              PlanItem(f"KV cache ({request.max_context} context + {request.max_tree} tree tokens)", "device",
@@ -108,6 +109,19 @@ def make_plan(request: PlanRequest) -> Plan:
                       workspace_bytes(request))]
     if request.draft_bytes:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
+    return fixed
+
+
+def streaming_budget(request: PlanRequest, resident_layers: int = 0) -> int:
+    """The device budget that holds what never streams, the ring, `resident_layers` decoder layers and
+    half a layer of slack: every other layer streams."""
+    fixed = sum(item.num_bytes for item in _fixed_items(request))
+    return fixed + (request.ring_size + resident_layers) * request.layer_bytes + request.layer_bytes // 2
+
+
+def make_plan(request: PlanRequest) -> Plan:
+    cfg = request.config
+    fixed = _fixed_items(request)
     fixed_bytes = sum(item.num_bytes for item in fixed)
     all_layers = cfg.num_layers * request.layer_bytes
     if fixed_bytes + all_layers <= request.device_budget:

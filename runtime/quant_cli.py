@@ -35,6 +35,26 @@ def add_bench_quant_parser(benches) -> None:
     bench.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
     bench.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (default: 512)")
     bench.add_argument("--json", action="store_true", help="print only JSON")
+    disk = benches.add_parser("quant-disk", help="decoding with layers streamed from a cold disk: reference "
+                                                 "fp32/bf16 vs SpQR checkpoints, in one run")
+    disk.add_argument("--target", default=None, help="reference model (default: embedded model)")
+    disk.add_argument("--packed", type=Path, nargs="+", required=True, help="SpQR checkpoints of that model")
+    disk.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per model (default: 24)")
+    disk.add_argument("--json", action="store_true", help="print only JSON")
+
+
+def bench_quant_disk(args, console) -> dict:
+    from quant.disk_bench import DiskBenchConfig, run_disk_bench
+    config = DiskBenchConfig(args.target, list(args.packed), args.new_tokens)
+    result = run_disk_bench(config, on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    if not args.json:
+        for row in result["rows"]:
+            ms = row["per_layer_ms"]
+            console.print(f"{row['model']:>32}  {row['tokens_per_second']:7.3f} tok/s  "
+                          f"{row['bytes_per_pass'] / 2**20:8.1f} MiB/pass  per layer: wait {ms['wait']:.2f} ms, "
+                          f"dequantize {ms['dequantize']:.2f} ms, pass {ms['pass']:.2f} ms  "
+                          f"x{row['speedup_vs_fp32']:.2f} vs fp32", highlight=False)
+    return result
 
 
 def bench_quant(args, console) -> dict:

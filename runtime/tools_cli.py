@@ -242,6 +242,9 @@ def cmd_bench(args, console) -> int:
     if args.bench == "quant":
         from runtime.quant_cli import bench_quant
         result = bench_quant(args, console)
+    if args.bench == "quant-disk":
+        from runtime.quant_cli import bench_quant_disk
+        result = bench_quant_disk(args, console)
     if args.bench == "stream":
         from offload.stream_bench import run_stream_bench
         sizes = [int(x) for x in args.tokens.split(",") if x.strip()]

@@ -52,3 +52,22 @@ def test_every_method_has_a_row_with_bits_and_perplexity(result):
         assert set(row["perplexity"]) >= {"code", "prose", "math"} and all(v > 1 for v in row["perplexity"].values())
     assert rows["spqr-w4"]["dequantize_seconds_per_layer"] > 0 and rows["spqr-w4"]["bytes_per_pass"] > 0
     assert result["window"] == 512 and result["stride"] == 256
+
+
+def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_path):
+    from quant.disk_bench import DiskBenchConfig, run_disk_bench
+    from quant.quantize import QuantizeConfig, quantize
+    folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=3, vocab_size=64)
+    add_tiny_tokenizer(folder, 64)
+    packed = tmp_path / "w4"
+    quantize(QuantizeConfig(str(folder), packed, bits=4, outlier_threshold=8.0, nsamples=4, seqlen=32))
+    result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4), on_status=lambda m: None)
+    rows = {row["model"]: row for row in result["rows"]}
+    assert list(rows) == ["reference-fp32", "reference-bf16", "w4"]
+    for row in rows.values():
+        assert row["layers_from_disk"] == 3 and row["decode_passes"] >= 1 and row["tokens_per_second"] > 0
+    assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
+    assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
+    assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
+    with pytest.raises(ValueError, match="--packed"):
+        DiskBenchConfig(str(folder), [])

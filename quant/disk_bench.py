@@ -1,0 +1,111 @@
+"""`bench quant-disk`: greedy decoding with every decoder layer streamed from disk and the page cache
+dropped before each pass, the reference weights (fp32 and bf16) against packed SpQR checkpoints, in one run.
+
+Per model: decoding tokens per second (the passes after the prefill), bytes streamed per pass, and
+where a pass's time goes per layer: waiting for the loader (transfer not hidden), dequantization
+(packed layers decoded into dense matrices; 0 for dense weights) and the rest (the layer's compute).
+A packed model's pass can only gain as far as its dequantization stays under the transfer it saves.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload import LoadedModel, LoadOptions, load_model
+from offload.loader import streaming_device_budget
+from offload.stream import PassStats
+from spec import DecodeConfig, Decoder, SamplingConfig
+from .bench import dequantize_seconds
+
+PROMPT = "Explain how a hash table handles collisions, with a short example in Python."
+MAX_CONTEXT, MAX_PASS_TOKENS = 512, 128
+
+
+@dataclass(slots=True)
+class DiskBenchConfig:
+    target: str | None = None                        # the reference (default: the embedded model)
+    packed: list[Path] = field(default_factory=list)  # SpQR checkpoints of that model
+    new_tokens: int = 24
+    reference_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    prompt: str = PROMPT
+
+    def __post_init__(self) -> None:
+        if not self.packed:
+            raise ValueError("give at least one SpQR checkpoint with --packed (see `quantize`)")
+        for folder in self.packed:
+            if not (Path(folder) / "config.json").is_file():
+                raise FileNotFoundError(f"--packed {folder}: no config.json there (not a checkpoint folder)")
+        if self.new_tokens < 2:
+            raise ValueError(f"new tokens must be >= 2, got {self.new_tokens}")
+
+
+def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = print) -> dict:
+    rows = [_measure(config.target, dtype, f"reference-{dtype}", config, on_status)
+            for dtype in config.reference_dtypes]
+    rows += [_measure(str(folder), "fp32", Path(folder).name, config, on_status) for folder in config.packed]
+    _add_ratios(rows)
+    return {"bench": "quant-disk", "new_tokens": config.new_tokens, "prompt": config.prompt, "rows": rows}
+
+
+def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status) -> dict:
+    options = LoadOptions(model, dtype=dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
+                          max_pass_tokens=MAX_PASS_TOKENS)
+    options.gpu_mem = streaming_device_budget(options)
+    loaded = load_model(options)
+    try:
+        on_status(f"{name}: decoding {config.new_tokens} tokens, {loaded.plan.tier_of.count('disk')} of "
+                  f"{len(loaded.plan.tier_of)} layers from disk (cold)")
+        passes = _decode(loaded, config)
+        packed = loaded.source.packed_bytes() if hasattr(loaded.source, "packed_bytes") else None
+        dequantize = dequantize_seconds(loaded) if packed is not None else 0.0
+    finally:
+        loaded.layers.close()
+    return _row(name, loaded, passes, dequantize)
+
+
+def _decode(loaded: LoadedModel, config: DiskBenchConfig) -> list[PassStats]:
+    """The decoding passes (prefill passes dropped) of one greedy answer."""
+    passes: list[PassStats] = []
+    end_pass = loaded.layers.end_pass
+
+    def record() -> None:
+        end_pass()
+        passes.append(loaded.layers.last_pass)
+
+    loaded.layers.end_pass = record
+    decoder = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(config.new_tokens, MAX_CONTEXT, MAX_PASS_TOKENS))
+    tokenizer = loaded.tokenizer
+    prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": config.prompt}]) if tokenizer.chat_template
+                  else tokenizer.encode(config.prompt))
+    result = decoder.generate(prompt_ids, SamplingConfig())
+    loaded.layers.end_pass = end_pass
+    steps = passes[len(passes) - result.stats.num_steps:]
+    if len(steps) < 1:
+        raise RuntimeError("the answer ended at its first token: no decoding pass to measure")
+    return steps
+
+
+def _row(name: str, loaded: LoadedModel, passes: list[PassStats], dequantize: float) -> dict:
+    num_layers = len(loaded.plan.tier_of)
+    seconds = statistics.median(p.seconds for p in passes)
+    wait = statistics.median(p.wait_seconds for p in passes)
+    return {"model": name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "layers_from_disk": loaded.plan.tier_of.count("disk"), "decode_passes": len(passes),
+            "tokens_per_second": round(len(passes) / sum(p.seconds for p in passes), 3),
+            "pass_seconds": round(seconds, 4), "bytes_per_pass": passes[0].bytes_streamed,
+            "per_layer_ms": {"pass": round(1e3 * seconds / num_layers, 3),
+                             "wait": round(1e3 * wait / num_layers, 3),
+                             "transfer": round(1e3 * statistics.median(p.transfer_seconds for p in passes)
+                                               / num_layers, 3),
+                             "dequantize": round(1e3 * dequantize, 3)}}
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Bytes per pass and tokens per second against each reference row."""
+    for reference in (r for r in rows if r["model"].startswith("reference-")):
+        key = reference["model"].removeprefix("reference-")
+        for row in rows:
+            row[f"bytes_ratio_vs_{key}"] = round(reference["bytes_per_pass"] / row["bytes_per_pass"], 3)
+            row[f"speedup_vs_{key}"] = round(row["tokens_per_second"] / reference["tokens_per_second"], 3)
