@@ -126,6 +126,9 @@ class SpqrLinear:
         return F.linear(x[..., self.matrix.perm.long()], self.matrix.dequantize(self.dtype, permuted=True))
 
 
+ZERO_LIMIT = 1024.0      # |zero| of the second-level statistics stays below this (fp16 holds it exactly)
+
+
 def quantize_stats(values: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """values [out, groups] -> (codes [out, groups] in [0, 2^bits), scale [runs, groups], zero [runs, groups])
     with min-max per run of STATS_RUN rows; scale/zero rounded to fp16 as stored. The zero stays a float,
@@ -135,7 +138,10 @@ def quantize_stats(values: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     padded = torch.cat((values, values[-1:].expand(runs * STATS_RUN - out, -1))).view(runs, STATS_RUN, groups)
     low, high = padded.amin(1), padded.amax(1)                                     # [runs, groups]
     maxq = (1 << bits) - 1
-    scale = ((high - low) / maxq).clamp(min=1e-8).half().float()
+    # A run of equal values (e.g. sixteen rows whose zero points are all 4) has no range: its scale is
+    # then a power-of-two fraction of the values, so the zero (at most 2^10) fits fp16 and decodes them exactly.
+    floor = torch.maximum(low.abs(), high.abs()) / ZERO_LIMIT
+    scale = torch.maximum((high - low) / maxq, floor).clamp(min=1e-8).half().float()
     zero = (-low / scale).half().float()
     codes = torch.round(padded / scale[:, None] + zero[:, None]).clamp(0, maxq)
     return codes.view(-1, groups)[:out].to(torch.uint8), scale, zero

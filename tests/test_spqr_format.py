@@ -110,3 +110,17 @@ def test_error_feedback_beats_round_to_nearest_and_outliers_lower_the_error():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SpqrConfig(**bad)
+
+
+def test_second_level_statistics_of_a_run_without_range_decode_exactly():
+    """Sixteen rows with the same zero point (common at 3 bits) once made the run's zero overflow fp16
+    (-4 / 1e-8), which decoded to NaN and spread through GPTQ's error feedback."""
+    from quant.packbits import pack
+    from quant.spqr_format import STATS_RUN, _second_level, quantize_stats
+    values = torch.cat((torch.full((STATS_RUN, 1), 4.0), torch.arange(STATS_RUN, dtype=torch.float32)[:, None] % 8,
+                        torch.full((STATS_RUN, 1), 0.0123), torch.full((STATS_RUN, 1), -2.5)))     # [4 runs, 1]
+    codes, scale, zero = quantize_stats(values, 3)
+    assert torch.isfinite(scale).all() and torch.isfinite(zero).all() and (zero.abs() <= 1024).all()
+    decoded = _second_level(pack(codes, 3), scale.half(), zero.half(), values.shape[0], 1, 3)
+    torch.testing.assert_close(decoded[:2 * STATS_RUN], values[:2 * STATS_RUN], rtol=0, atol=0)
+    torch.testing.assert_close(decoded, values, rtol=1e-3, atol=0)
