@@ -8,12 +8,18 @@ A packed model's pass can only gain as far as its dequantization stays under the
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from offload import LoadedModel, LoadOptions, load_model
+from offload.gguf_import import cache_root
+from offload.sources import resolve_model
 from offload.loader import streaming_device_budget
 from offload.stream import PassStats
 from spec import DecodeConfig, Decoder, SamplingConfig
@@ -42,11 +48,34 @@ class DiskBenchConfig:
 
 
 def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = print) -> dict:
-    rows = [_measure(config.target, dtype, f"reference-{dtype}", config, on_status)
-            for dtype in config.reference_dtypes]
+    reference = resolve_model(config.target)
+    rows = [_measure(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
+                     f"reference-{dtype}", config, on_status) for dtype in config.reference_dtypes]
     rows += [_measure(str(folder), "fp32", Path(folder).name, config, on_status) for folder in config.packed]
     _add_ratios(rows)
     return {"bench": "quant-disk", "new_tokens": config.new_tokens, "prompt": config.prompt, "rows": rows}
+
+
+def stored_copy(folder: Path, dtype: str, on_status) -> Path:
+    """The checkpoint with its floating tensors stored in `dtype` (made once, in the cache), so that the
+    row reads that dtype's bytes from disk rather than casting the reference's on the way."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out = cache_root() / "bench_quant" / f"{folder.name}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    on_status(f"writing a {dtype} copy of {folder.name} for the {dtype} row")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in folder.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+            save_file({k: t.to(torch_dtype) if t.is_floating_point() else t for k, t in tensors.items()},
+                      str(tmp / path.name), metadata={"format": "pt"})
+        elif path.is_file():
+            shutil.copyfile(path, tmp / path.name)
+    tmp.rename(out)
+    return out
 
 
 def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status) -> dict:

@@ -54,11 +54,12 @@ def test_every_method_has_a_row_with_bits_and_perplexity(result):
     assert result["window"] == 512 and result["stride"] == 256
 
 
-def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_path):
+def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_path, monkeypatch):
     from quant.disk_bench import DiskBenchConfig, run_disk_bench
     from quant.quantize import QuantizeConfig, quantize
     folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=3, vocab_size=64)
     add_tiny_tokenizer(folder, 64)
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
     packed = tmp_path / "w4"
     quantize(QuantizeConfig(str(folder), packed, bits=4, outlier_threshold=8.0, nsamples=4, seqlen=32))
     result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4), on_status=lambda m: None)
@@ -69,5 +70,7 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
     assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
     assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
+    copies = list((tmp_path / "cache" / "bench_quant").glob("*-bf16"))   # the bf16 row read bf16 bytes
+    assert len(copies) == 1 and (copies[0] / "config.json").exists()
     with pytest.raises(ValueError, match="--packed"):
         DiskBenchConfig(str(folder), [])
