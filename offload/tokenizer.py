@@ -49,6 +49,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A user turn through the chat template, or the text as is for a model without one (benchmarks)."""
+        if self.chat_template:
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self.encode(text)
+
     def end_of_turn_ids(self) -> set[int]:
         """Ids that end an assistant turn: eos plus common end-of-turn markers the vocab has."""
         names = [self.special_tokens.get("eos_token"), "<|im_end|>", "<|eot_id|>", "<|end_of_text|>",

@@ -139,16 +139,16 @@ def heldout_texts(reference: LoadedModel, config: QuantBenchConfig, on_status) -
 
 
 def _chat_answers(reference: LoadedModel, config: QuantBenchConfig, on_status) -> str:
-    """The reference model's greedy answers to MT-Bench first turns (generated once, cached)."""
-    cache = cache_root() / "bench_quant" / f"{_model_key(config)}-chat-answers.json"
+    """The reference model's greedy answers to MT-Bench first turns (generated once per model and length,
+    cached: a cache made for a shorter text must not stand in for a longer one)."""
+    cache = cache_root() / "bench_quant" / f"{_model_key(config)}-chat-answers-{config.tokens_per_domain}.json"
     if cache.exists():
         return json.loads(cache.read_text())["text"]
     decoder = Decoder(reference.model, reference.stop_ids, DecodeConfig(192, 1024))
     answers, total = [], 0
     for line in config.chat_prompts.read_text().splitlines():
         prompt = json.loads(line)["turns"][0]
-        ids = decoder.generate(reference.tokenizer.encode_chat([{"role": "user", "content": prompt}]),
-                               SamplingConfig()).token_ids
+        ids = decoder.generate(reference.tokenizer.encode_prompt(prompt), SamplingConfig()).token_ids
         answers.append(reference.tokenizer.decode(ids))
         total += len(ids)
         on_status(f"chat answers for held-out text: {total} / {config.tokens_per_domain} tokens")

@@ -105,9 +105,7 @@ def _decode(loaded: LoadedModel, config: DiskBenchConfig) -> list[PassStats]:
 
     loaded.layers.end_pass = record
     decoder = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(config.new_tokens, MAX_CONTEXT, MAX_PASS_TOKENS))
-    tokenizer = loaded.tokenizer
-    prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": config.prompt}]) if tokenizer.chat_template
-                  else tokenizer.encode(config.prompt))
+    prompt_ids = loaded.tokenizer.encode_prompt(config.prompt)
     result = decoder.generate(prompt_ids, SamplingConfig())
     loaded.layers.end_pass = end_pass
     steps = passes[len(passes) - result.stats.num_steps:]

@@ -74,3 +74,17 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     assert len(copies) == 1 and (copies[0] / "config.json").exists()
     with pytest.raises(ValueError, match="--packed"):
         DiskBenchConfig(str(folder), [])
+
+
+def test_chat_answers_are_cached_per_length(tmp_path, monkeypatch):
+    """A cache made for a short held-out text once stood in for every longer one (191 tokens, not 4,096)."""
+    from offload import LoadOptions, load_model
+    from quant.bench import _chat_answers
+    folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1, vocab_size=64)
+    add_tiny_tokenizer(folder, 64)
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    model = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32"))
+    texts = {n: _chat_answers(model, QuantBenchConfig(str(folder), tokens_per_domain=n), lambda m: None) for n in (64, 400)}
+    lengths = {n: len(model.tokenizer.encode(text)) for n, text in texts.items()}
+    assert lengths[400] > lengths[64] and lengths[400] >= 300
+    assert len(list((tmp_path / "cache" / "bench_quant").glob("*chat-answers*"))) == 2
