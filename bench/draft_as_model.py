@@ -4,8 +4,8 @@ The default target's weights are dequantized Q4_1, which flatters every 4-bit me
 layers were trained for 10,000 steps from there, so they no longer sit on any grid (stored in int8
 with a scale per 64 inputs, far finer than the 3-4 bits under test). The standalone model is the
 draft's layers and final norm, the target's token embedding, and an LM head over the full vocabulary:
-the draft's trained rows for its own tokens, the target's rows for the rest (the draft's small row
-biases, std 0.05, are dropped: a plain Llama head has none).
+the draft's trained rows for its own tokens and zero rows (logit 0) for the rest, which the draft
+never learned to score (the draft's small row biases, std 0.05, are dropped: a plain Llama head has none).
 
     python bench/draft_as_model.py OUT_DIR
     python cli.py bench quant --target OUT_DIR --json
@@ -34,7 +34,7 @@ def write_draft_as_model(out: Path, draft_folder: Path | None = None) -> Path:
     target = CheckpointSource(target_folder)
     draft = load_draft_module(draft_folder or default_draft_for(None), embed=target.global_tensors()["embed"])
     globals_ = target.global_tensors()
-    head = globals_.get("lm_head", globals_["embed"]).float().clone()                # [V, H]
+    head = torch.zeros_like(globals_["embed"], dtype=torch.float32)                 # [V, H]
     head[draft.vocab_map] = draft.head.detach()
     tensors = {HF_GLOBAL_NAMES["embed"]: globals_["embed"].float(), HF_GLOBAL_NAMES["norm"]: draft.norm.detach(),
                HF_GLOBAL_NAMES["lm_head"]: head}

@@ -37,17 +37,18 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     return ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
 
 
-def unpack(packed: Tensor, bits: int, num_codes: int) -> Tensor:
-    """Inverse of pack: [packed_bytes] uint8 -> [num_codes] uint8 codes."""
-    if bits == 8:
-        return packed[:num_codes]
-    if bits == 4:                                  # two codes per byte, low nibble first
-        return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(-1)[:num_codes]
+def unpack(packed: Tensor, bits: int, num_codes: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """Inverse of pack: [packed_bytes] uint8 -> [num_codes] codes as `dtype` (a float dtype converts them
+    on the way: one write per code, no intermediate tensor of codes)."""
     per_group, nbytes = _group(bits)
-    wide = torch.int32 if nbytes <= 3 else torch.int64   # a 3-bit group is 24 bits: int32 ops suffice
-    grouped = packed.to(wide).view(-1, nbytes)
-    byte_shifts = torch.arange(nbytes, device=packed.device, dtype=wide) * 8
-    words = (grouped << byte_shifts).sum(-1, dtype=wide)                      # [G]
-    shifts = torch.arange(per_group, device=packed.device, dtype=wide) * bits
-    codes = (words[:, None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:num_codes].to(torch.uint8)
+    grouped = packed.view(-1, nbytes)
+    out = torch.empty(grouped.shape[0], per_group, dtype=dtype, device=packed.device)
+    mask = (1 << bits) - 1
+    for j in range(per_group):
+        # code j holds stream bits [j*bits, (j+1)*bits): the rest of one byte, plus the low bits of the next
+        byte, shift = divmod(j * bits, 8)
+        code = grouped[:, byte] >> shift
+        if shift + bits > 8:
+            code = code | (grouped[:, byte + 1] << (8 - shift))
+        out[:, j] = code & mask if shift + bits != 8 else code
+    return out.view(-1)[:num_codes]

@@ -17,6 +17,7 @@ def test_pack_round_trips_and_is_dense(bits, count):
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_bytes(count, bits) <= math.ceil(count * bits / 8) + 8
     assert torch.equal(unpack(packed, bits, count), codes.to(torch.uint8))
+    assert torch.equal(unpack(packed, bits, count, torch.float32), codes.float())     # decoded straight to floats
 
 
 def test_pack_is_little_endian_bit_stream():
