@@ -9,6 +9,7 @@ Bits per parameter: b + 2 * stats_bits / g + 64 / (16 * g) + 32 * outlier share 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +74,26 @@ class SpqrMatrix:
     def num_bytes(self) -> int:
         return sum(getattr(self, part).numel() * getattr(self, part).element_size() for part in PARTS)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, permuted: bool = False) -> Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, permuted: bool = False,
+                   fused: bool | None = None) -> Tensor:
         """-> [out, in] dense weight on the parts' device (with `permuted`, its columns in the stored
-        order: W[:, perm], which a caller multiplies with x[..., perm] to skip un-permuting)."""
+        order: W[:, perm], which a caller multiplies with x[..., perm] to skip un-permuting). `fused`:
+        the Triton kernel (None: on CUDA when Triton is installed), else vectorised torch."""
+        if fused is None:
+            fused = self.codes.device.type == "cuda" and _fused_kernel() is not None
+        weight = _fused_kernel().dequantize_permuted(self, dtype) if fused else self._dequantize_torch(dtype)
+        if self.num_outliers:
+            rows = torch.repeat_interleave(torch.arange(self.shape[0], device=weight.device), self.outlier_rows.diff().long(),
+                                           output_size=self.num_outliers)
+            weight[rows, self.outlier_cols.long()] = self.outlier_values.to(dtype)
+        if permuted:
+            return weight
+        dense = torch.empty_like(weight)
+        dense[:, self.perm.long()] = weight
+        return dense
+
+    def _dequantize_torch(self, dtype: torch.dtype) -> Tensor:
+        """[out, in] `dtype`, columns in stored order, outliers not yet applied."""
         out, inp = self.shape
         groups = self.num_groups
         scale = _second_level(self.scale_codes, self.stat_params[..., 0], self.stat_params[..., 1], out, groups,
@@ -85,16 +103,17 @@ class SpqrMatrix:
         # (code - zero) * scale as code * scale + (-zero * scale), in place on the decoded codes (a broadcast
         # multiply and add run ~4x faster on CPU than one broadcast addcmul); in fp32, then cast once
         weight = unpack(self.codes, self.bits, out * inp, torch.float32).view(out, groups, self.groupsize)
-        weight = weight.mul_(scale[..., None]).add_((-zero * scale)[..., None]).view(out, inp).to(dtype)
-        if self.num_outliers:
-            rows = torch.repeat_interleave(torch.arange(out, device=weight.device), self.outlier_rows.diff().long(),
-                                           output_size=self.num_outliers)
-            weight[rows, self.outlier_cols.long()] = self.outlier_values.to(dtype)
-        if permuted:
-            return weight
-        dense = torch.empty_like(weight)
-        dense[:, self.perm.long()] = weight
-        return dense
+        return weight.mul_(scale[..., None]).add_((-zero * scale)[..., None]).view(out, inp).to(dtype)
+
+
+@functools.cache
+def _fused_kernel():
+    """quant.spqr_triton, or None where Triton is not installed."""
+    try:
+        from . import spqr_triton
+    except (ImportError, RuntimeError):        # no Triton, or one that cannot initialise here
+        return None
+    return spqr_triton
 
 
 def _second_level(codes: Tensor, scales: Tensor, zeros: Tensor, out: int, groups: int, stats_bits: int) -> Tensor:

@@ -1,6 +1,10 @@
 """The packed SpQR path against a dense reference written from the format's definition, element by element;
 bit packing; and the quantizer's error feedback against round-to-nearest."""
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +12,8 @@ import torch
 from quant.packbits import pack, packed_bytes, unpack
 from quant.spqr import SpqrConfig, quantize_matrix
 from quant.spqr_format import STATS_RUN, SpqrLinear, SpqrMatrix, pack_matrix
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
@@ -48,12 +54,10 @@ def reference_dense(shape, bits, groupsize, stats_bits, codes, scale_codes, zero
     return dense
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (20, 16)])
-@pytest.mark.parametrize("num_outliers", [0, 1, 13])
-def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outliers):
+def random_matrix(bits, shape, num_outliers, seed=0):
+    """-> (a packed matrix from random parts, its dense reference [out, in] float64)."""
     out, inp = shape
-    groupsize, stats_bits, g = 16, 3, torch.Generator().manual_seed(out * inp + bits + num_outliers)
+    groupsize, stats_bits, g = 16, 3, torch.Generator().manual_seed(out * inp + bits + num_outliers + seed)
     groups, runs = inp // groupsize, -(-out // STATS_RUN)
     codes = torch.randint(0, 1 << bits, (out, inp), generator=g)
     scale_codes = torch.randint(0, 1 << stats_bits, (out, groups), generator=g)
@@ -66,9 +70,18 @@ def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outli
     matrix = pack_matrix(shape, bits, groupsize, stats_bits, codes, scale_codes, zero_codes, params, perm, mask, values)
     matrix.check("test")
     outliers = {(int(r), int(c)): float(values[r, c]) for r, c in mask.nonzero()}
-    expected = reference_dense(shape, bits, groupsize, stats_bits, codes, scale_codes, zero_codes, params.tolist(),
-                               perm, outliers)
-    torch.testing.assert_close(matrix.dequantize().double(), expected, rtol=1e-6, atol=1e-6)
+    return matrix, reference_dense(shape, bits, groupsize, stats_bits, codes, scale_codes, zero_codes,
+                                   params.tolist(), perm, outliers)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (20, 16)])
+@pytest.mark.parametrize("num_outliers", [0, 1, 13])
+def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outliers):
+    out, inp = shape
+    groupsize, stats_bits, g = 16, 3, torch.Generator().manual_seed(7)
+    matrix, expected = random_matrix(bits, shape, num_outliers)
+    torch.testing.assert_close(matrix.dequantize(fused=False).double(), expected, rtol=1e-6, atol=1e-6)
     x = torch.randn(3, inp, generator=g)
     torch.testing.assert_close(SpqrLinear(matrix, torch.float32).matmul(x), x @ expected.float().T, rtol=1e-5, atol=1e-5)
     parts = matrix.tensors("m")
@@ -76,6 +89,40 @@ def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outli
     parts["m.perm"] = parts["m.perm"][:-1]
     with pytest.raises(ValueError, match="m.perm"):
         SpqrMatrix.from_tensors(parts, "m", shape, bits, groupsize, stats_bits)
+
+
+def check_fused_kernel(device: str = "cpu") -> None:
+    """The Triton kernel (on `device`; on the CPU only under TRITON_INTERPRET=1) against the dense
+    reference, in fp32 and bf16, over bits, shapes (rows not a multiple of 16 included) and outliers."""
+    for bits in (2, 3, 4):
+        for shape in ((16, 32), (48, 64), (20, 16)):
+            for num_outliers in (0, 13):
+                matrix, expected = random_matrix(bits, shape, num_outliers, seed=1)
+                parts = {name: t.to(device) for name, t in matrix.tensors("m").items()}
+                matrix = SpqrMatrix.from_tensors(parts, "m", shape, bits, 16, 3)
+                fused = matrix.dequantize(fused=True)
+                assert fused.device.type == torch.device(device).type
+                torch.testing.assert_close(fused.double().cpu(), expected, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(matrix.dequantize(torch.bfloat16, fused=True),
+                                           matrix.dequantize(torch.bfloat16, fused=False))
+                assert matrix.dequantize(fused=None).device == fused.device
+
+
+def test_fused_kernel_equals_the_dense_reference_under_the_triton_interpreter():
+    """The CUDA kernel's code, run by Triton's CPU interpreter (in a child process: the interpreter is
+    chosen when Triton is first imported)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); "
+                             "from test_spqr_format import check_fused_kernel; check_fused_kernel()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_kernel_on_cuda_equals_the_dense_reference():
+    pytest.importorskip("triton")
+    check_fused_kernel("cuda")
 
 
 def _problem(out=64, inp=128, seed=0):
