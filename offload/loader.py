@@ -125,7 +125,8 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=lambda index, stored: source.decode_layer(index, stored, dtype))
+                           decode=lambda index, stored: source.decode_layer(index, stored, dtype),
+                           decode_ahead=device.type == "cpu")
 
 
 def stop_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

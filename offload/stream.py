@@ -32,6 +32,7 @@ class PassStats:
     seconds: float = 0.0
     wait_seconds: float = 0.0        # compute thread blocked on a layer not yet loaded
     transfer_seconds: float = 0.0    # loader time spent moving the bytes consumed in this pass
+    decode_seconds: float = 0.0      # loader time spent decoding them (decode_ahead)
     bytes_by_tier: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
 
     @property
@@ -46,6 +47,7 @@ class PassStats:
         return {"num_tokens": self.num_tokens, "seconds": round(self.seconds, 5),
                 "wait_seconds": round(self.wait_seconds, 5),
                 "compute_seconds": round(self.seconds - self.wait_seconds, 5),
+                "decode_seconds": round(self.decode_seconds, 5),
                 "bytes_ram": self.bytes_by_tier["ram"], "bytes_disk": self.bytes_by_tier["disk"],
                 "link_gbps": round(self.link_gbps, 3)}
 
@@ -57,6 +59,8 @@ class _Slot:
     layer: int = -1
     state: str = "free"                  # free -> loading -> ready -> in_use -> free
     load_seconds: float = 0.0            # host-side load time (disk read, CPU copy)
+    decoded: dict | None = None          # the layer decoded by the loader (decode_ahead)
+    decode_seconds: float = 0.0
     copy_started: object = None          # CUDA event (timed): host->device copy queued
     copied: object = None                # CUDA event (timed): copy into `buffer` done
     released: object = None              # CUDA event: compute reading `buffer` done
@@ -69,15 +73,20 @@ def _as_stored(index: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 class StreamingLayers:
     """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads. `decode`
     turns a layer's stored tensors into what the layer math takes (packed formats dequantize there,
-    on the compute device, just before use)."""
+    on the compute device, just before use). With `decode_ahead` (a CPU, where the loader thread has
+    a core of its own while compute runs) the loader decodes each streamed layer right after loading
+    it and calls `prepare()` on every decoded value that has one (a packed weight dequantizes then), so
+    dequantization overlaps the previous layer's compute instead of adding to it; a ring slot then
+    also holds its layer's decoded weights until released."""
 
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
-                 disk_cold: bool = False, decode=_as_stored) -> None:
+                 disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False) -> None:
         if ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {ring_size}")
         self.layout, self.resident, self.tier_of = layout, resident, tier_of
         self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
+        self.decode_ahead = decode_ahead
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
         self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
@@ -131,7 +140,10 @@ class StreamingLayers:
         stats = self.last_pass
         stats.wait_seconds += time.perf_counter() - waited
         stats.transfer_seconds += transfer
+        stats.decode_seconds += slot.decode_seconds
         stats.bytes_by_tier[self.tier_of[index]] += self.layout.num_bytes
+        if slot.decoded is not None:
+            return slot.decoded
         return self.decode(index, self.layout.views(slot.buffer))
 
     def release(self, index: int) -> None:
@@ -141,7 +153,7 @@ class StreamingLayers:
         if self.is_cuda:
             slot.released.record(torch.cuda.current_stream(self.device))
         with self._cond:
-            slot.state = "free"
+            slot.state, slot.decoded = "free", None
             self._next_use += 1
             self._cond.notify_all()
 
@@ -151,6 +163,7 @@ class StreamingLayers:
         self.total.seconds += self.last_pass.seconds
         self.total.wait_seconds += self.last_pass.wait_seconds
         self.total.transfer_seconds += self.last_pass.transfer_seconds
+        self.total.decode_seconds += self.last_pass.decode_seconds
         for tier, count in self.last_pass.bytes_by_tier.items():
             self.total.bytes_by_tier[tier] += count
 
@@ -159,7 +172,7 @@ class StreamingLayers:
         self.close()
         self._next_use = 0
         for slot in self.slots:
-            slot.state, slot.layer = "free", -1
+            slot.state, slot.layer, slot.decoded = "free", -1, None
 
     def close(self) -> None:
         thread = self._thread
@@ -192,6 +205,7 @@ class StreamingLayers:
                 if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
                     self.disk.drop_page_cache()
                 self._load(layer, slot)
+                self._decode_ahead(layer, slot)
                 with self._cond:
                     slot.state = "ready"
                     self._cond.notify_all()
@@ -211,6 +225,17 @@ class StreamingLayers:
         else:
             self.disk.read_into(layer, slot.buffer)
         slot.load_seconds = time.perf_counter() - start
+
+    def _decode_ahead(self, layer: int, slot: _Slot) -> None:
+        slot.decoded, slot.decode_seconds = None, 0.0
+        if not self.decode_ahead:
+            return
+        start = time.perf_counter()
+        decoded = self.decode(layer, self.layout.views(slot.buffer))
+        for value in decoded.values():
+            if hasattr(value, "prepare"):
+                value.prepare()
+        slot.decoded, slot.decode_seconds = decoded, time.perf_counter() - start
 
     def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
         # Copies are queued asynchronously on the copy stream, so the next disk read (or the next

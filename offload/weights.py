@@ -50,7 +50,8 @@ class WeightSource(Protocol):
         ...
 
     def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict:
-        """A layer's stored tensors (views on the compute device) -> what the layer math takes."""
+        """A layer's stored tensors (views on the compute device) -> what the layer math takes: tensors,
+        or packed weights with `matmul(x)` and optionally `prepare()` (decode now, ahead of use)."""
         ...
 
     def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]: ...

@@ -2,9 +2,11 @@
 dropped before each pass, the reference weights (fp32 and bf16) against packed SpQR checkpoints, in one run.
 
 Per model: decoding tokens per second (the passes after the prefill), bytes streamed per pass, and
-where a pass's time goes per layer: waiting for the loader (transfer not hidden), dequantization
-(packed layers decoded into dense matrices; 0 for dense weights) and the rest (the layer's compute).
-A packed model's pass can only gain as far as its dequantization stays under the transfer it saves.
+where a pass's time goes per layer: waiting for the loader (transfer and, on a CPU, decoding not
+hidden), dequantization (packed layers decoded into dense matrices, timed alone; 0 for dense weights),
+the loader's decoding time (on a CPU the loader dequantizes each layer while compute runs the previous
+one) and the rest (the layer's compute). A packed model's pass gains as far as its transfer plus
+dequantization stays under the dense model's transfer.
 """
 from __future__ import annotations
 
@@ -126,7 +128,9 @@ def _row(name: str, loaded: LoadedModel, passes: list[PassStats], dequantize: fl
                              "wait": round(1e3 * wait / num_layers, 3),
                              "transfer": round(1e3 * statistics.median(p.transfer_seconds for p in passes)
                                                / num_layers, 3),
-                             "dequantize": round(1e3 * dequantize, 3)}}
+                             "dequantize": round(1e3 * dequantize, 3),
+                             "decoded_by_loader": round(1e3 * statistics.median(p.decode_seconds for p in passes)
+                                                        / num_layers, 3)}}
 
 
 def _add_ratios(rows: list[dict]) -> None:

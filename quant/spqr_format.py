@@ -141,11 +141,17 @@ class SpqrLinear:
 
     def __init__(self, matrix: SpqrMatrix, dtype: torch.dtype) -> None:
         self.matrix, self.dtype = matrix, dtype
+        self.weight: Tensor | None = None       # [out, in] permuted columns, once prepared
+
+    def prepare(self) -> None:
+        """Dequantizes now (the engine's loader thread does, ahead of the layer's compute)."""
+        self.weight = self.matrix.dequantize(self.dtype, permuted=True)
 
     def matmul(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out]: W x = W[:, perm] x[perm], so the inputs are gathered instead of
         the weight's columns scattered."""
-        return F.linear(x[..., self.matrix.perm.long()], self.matrix.dequantize(self.dtype, permuted=True))
+        weight = self.weight if self.weight is not None else self.matrix.dequantize(self.dtype, permuted=True)
+        return F.linear(x[..., self.matrix.perm.long()], weight)
 
 
 ZERO_LIMIT = 1024.0      # |zero| of the second-level statistics stays below this (fp16 holds it exactly)

@@ -141,3 +141,32 @@ def test_budget_below_ring_minimum_is_refused(folder):
     with pytest.raises(PlanError, match="too small"):
         build_engine(CheckpointSource(folder), LoadOptions(device="cpu", max_context=64, max_pass_tokens=16,
                                                            gpu_mem=1000))
+
+
+def test_on_a_cpu_the_loader_decodes_and_prepares_streamed_layers_ahead(folder):
+    prompt = [5, 17, 99, 3, 42]
+    resident, _ = _engine(folder, "device")
+    expected_tokens, expected_logits = _greedy(resident.model, prompt)
+    engine, _ = _engine(folder, "disk")
+    layers, inner, decoded = engine.layers, engine.layers.decode, []
+    assert layers.decode_ahead
+
+    class Packed:       # stands for a packed weight: prepare() is where it would dequantize
+        prepared_in = None
+
+        def prepare(self):
+            self.prepared_in = threading.current_thread().name
+
+    def decode(index, stored):
+        decoded.append((index, threading.current_thread().name, Packed()))
+        return {**inner(index, stored), "packed": decoded[-1][2]}
+
+    layers.decode = decode
+    tokens, logits = _greedy(engine.model, prompt)
+    layers.close()
+    assert tokens == expected_tokens and torch.equal(logits, expected_logits)
+    streamed = [(index, packed) for index, thread, packed in decoded if thread == "layer-loader"]
+    assert {index for index, _ in streamed} == {1, 2, 3, 4, 5}
+    assert all(packed.prepared_in == "layer-loader" for _, packed in streamed)
+    assert {index for index, thread, _ in decoded if thread != "layer-loader"} == {0}      # the resident layer
+    assert layers.total.decode_seconds > 0
