@@ -191,7 +191,7 @@ def child_hf(engine: str, cfg: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=str(offload_dir),
                                                      dtype=torch.float32)
         notes["device_map_values"] = {v: list(device_map.values()).count(v) for v in set(device_map.values())}
-        notes["offload_store"] = _offload_store(model)
+        notes["offload_store"] = portable(_offload_store(model))
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         if engine == "accelerate_cpu":
@@ -220,6 +220,13 @@ def child_hf(engine: str, cfg: dict) -> dict:
     out = clock.summary(start, time.perf_counter(), output[0, ids.shape[1]:].tolist())
     out.update(load_seconds=round(load_seconds, 3), disk_read_bytes=_delta(io_before, disk_read_bytes()), **notes)
     return out
+
+
+def portable(path: str | None) -> str | None:
+    """A path as the report shows it: relative to the repository (a report holds no machine's paths)."""
+    if path is None:
+        return None
+    return path.replace(str(ROOT) + os.sep, "") if path.startswith(str(ROOT) + os.sep) else Path(path).name
 
 
 def _offload_store(model) -> str:
@@ -440,7 +447,7 @@ def build_report(args, cfg: dict, engines: list[str], samples: dict, wall: float
             "met_default_plan_ram_vs_accelerate_disk": (ratios["accelerate_disk_over_ours_ram"] or 0) >= 2
             if ratios["accelerate_disk_over_ours_ram"] is not None else None}
     return {
-        "benchmark": "peers", "model": cfg.get("model_path"), "private_copy": not args.no_private_copy, "dtype": "fp32", "device": "cpu",
+        "benchmark": "peers", "model": portable(cfg.get("model_path")), "private_copy": not args.no_private_copy, "dtype": "fp32", "device": "cpu",
         "gpu_mem_bytes": cfg["gpu_mem"], "max_context": cfg["max_context"], "threads": cfg["threads"],
         "max_new_tokens": cfg["max_new_tokens"], "airllm_tokens": cfg["airllm_tokens"], "rounds": args.rounds,
         "warmup_tokens": cfg["warmup_tokens"],
