@@ -3,6 +3,8 @@
     python bench/device_check.py [--dry-run] [--layers 4] [--tokens 1,16,...] > result.json
 A random-initialised model with the 70B layer shapes (bf16, every layer streamed from pinned RAM)
 runs passes of each size; efficiency = (streamed bytes / raw pinned H2D bandwidth) / pass seconds.
+Then SpQR w4 dequantization of one such layer (random packed codes): the fused Triton kernel (where
+Triton runs) and the torch path, against the time the pinned link takes to bring the packed bytes.
 --dry-run shrinks the shapes and runs on the CPU, so the test suite exercises the same code.
 """
 from __future__ import annotations
@@ -23,6 +25,9 @@ from offload.config import ModelConfig, RopeConfig  # noqa: E402
 from offload.loader import LoadOptions, build_engine  # noqa: E402
 from offload.packing import LayerLayout  # noqa: E402
 from offload.weights import layer_tensor_names  # noqa: E402
+from quant.checkpoint import matrix_shapes  # noqa: E402
+from quant.packbits import packed_bytes  # noqa: E402
+from quant.spqr_format import STATS_RUN, SpqrMatrix, _fused_kernel  # noqa: E402
 
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128)
 DRY_RUN = dict(hidden_size=256, intermediate_size=896, num_heads=8, num_kv_heads=2, head_dim=32)
@@ -80,7 +85,54 @@ def run(dry_run: bool, num_layers: int, pass_tokens: list[int]) -> dict:
     return {"check": "device", "date": date.today().isoformat(), "device": _device_name(device),
             "dry_run": dry_run, "dtype": str(dtype).removeprefix("torch."), "layers": num_layers,
             "layer_bytes": engine.layers.layout.num_bytes, "pinned_h2d_gbps": round(raw, 3),
-            "tier": "ram", "passes": rows}
+            "tier": "ram", "passes": rows, "spqr_w4_dequantize": _dequantize_check(config, device, raw)}
+
+
+def _random_spqr(shape: tuple[int, int], bits: int, device: torch.device) -> SpqrMatrix:
+    """A packed matrix of random codes (any byte is valid) and statistics, no outliers."""
+    out, inp = shape
+    groups, runs, stats_bits = inp // 16, -(-out // STATS_RUN), 3
+    index = torch.int16 if max(out, inp) <= torch.iinfo(torch.int16).max else torch.int32
+
+    def random_bytes(count: int) -> torch.Tensor:
+        return torch.randint(0, 256, (count,), dtype=torch.uint8, device=device)
+
+    params = (torch.rand(runs, groups, 4, device=device) * torch.tensor([1e-3, 4.0, 0.5, 2.0], device=device)).half()
+    return SpqrMatrix(shape, bits, 16, stats_bits, random_bytes(packed_bytes(out * inp, bits)),
+                      random_bytes(packed_bytes(out * groups, stats_bits)),
+                      random_bytes(packed_bytes(out * groups, stats_bits)), params,
+                      torch.randperm(inp, device=device).to(index), torch.zeros(out + 1, dtype=index, device=device),
+                      torch.zeros(0, dtype=index, device=device), torch.zeros(0, dtype=torch.float16, device=device))
+
+
+def _dequantize_check(config: ModelConfig, device: torch.device, link_gbps: float) -> dict:
+    """One layer's matrices at w4: ms to dequantize with each path vs ms to transfer the packed bytes."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    matrices = [_random_spqr(shape, 4, device) for shape in matrix_shapes(config).values()]
+    paths = {"torch": False}
+    if device.type == "cuda" and _fused_kernel() is not None:
+        paths["fused"] = True
+    result = {"params": sum(m.shape[0] * m.shape[1] for m in matrices), "packed_bytes": sum(m.num_bytes for m in matrices),
+              "fused_available": "fused" in paths}
+    result["transfer_ms"] = round(1e3 * result["packed_bytes"] / (link_gbps * 1e9), 3)
+    for name, fused in paths.items():
+        timings = []
+        for _ in range(4):     # the first is a warm-up (and the kernel's compilation)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for matrix in matrices:
+                matrix.dequantize(dtype, permuted=True, fused=fused)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timings.append(time.perf_counter() - start)
+        result[f"{name}_ms"] = round(1e3 * min(timings[1:]), 3)
+    if "fused" in paths:
+        first = matrices[0]
+        result["fused_equals_torch"] = bool(torch.allclose(first.dequantize(dtype, fused=True).float(),
+                                                           first.dequantize(dtype, fused=False).float(),
+                                                           rtol=1e-2, atol=1e-3))
+    return result
 
 
 def _fixed_bytes(engine) -> int:

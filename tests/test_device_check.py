@@ -17,6 +17,10 @@ def test_device_check_dry_run_writes_json(tmp_path):
     for row in result["passes"]:
         assert row["bytes_streamed"] == 3 * result["layer_bytes"]
         assert 0 < row["efficiency"] and row["pass_seconds"] > 0
+    dequantize = result["spqr_w4_dequantize"]
+    assert dequantize["torch_ms"] > 0 and dequantize["transfer_ms"] > 0 and dequantize["fused_available"] is False
+    # 4 bits + 6/16 + 64/256 per weight, no outliers: 4.625 bits, plus the permutations and row pointers
+    assert 4.625 < 8 * dequantize["packed_bytes"] / dequantize["params"] < 4.8
 
 
 @pytest.mark.cuda
