@@ -10,6 +10,7 @@ Bits per parameter: b + 2 * stats_bits / g + 64 / (16 * g) + 32 * outlier share 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,10 @@ class SpqrMatrix:
         order: W[:, perm], which a caller multiplies with x[..., perm] to skip un-permuting). `fused`:
         the Triton kernel (None: on CUDA when Triton is installed), else vectorised torch."""
         if fused is None:
-            fused = self.codes.device.type == "cuda" and _fused_kernel() is not None
-        weight = _fused_kernel().dequantize_permuted(self, dtype) if fused else self._dequantize_torch(dtype)
+            weight = _try_fused(self, dtype) if self.codes.device.type == "cuda" else None
+            weight = self._dequantize_torch(dtype) if weight is None else weight
+        else:
+            weight = _fused_kernel().dequantize_permuted(self, dtype) if fused else self._dequantize_torch(dtype)
         if self.num_outliers:
             rows = torch.repeat_interleave(torch.arange(self.shape[0], device=weight.device), self.outlier_rows.diff().long(),
                                            output_size=self.num_outliers)
@@ -114,6 +117,24 @@ def _fused_kernel():
     except (ImportError, RuntimeError):        # no Triton, or one that cannot initialise here
         return None
     return spqr_triton
+
+
+_FUSED_FAILED: list[str] = []
+
+
+def _try_fused(matrix: SpqrMatrix, dtype: torch.dtype) -> Tensor | None:
+    """The fused kernel's output, or None (no Triton, or a kernel that failed here once: then a one-line
+    warning and the torch path from then on)."""
+    kernel = _fused_kernel()
+    if kernel is None or _FUSED_FAILED:
+        return None
+    try:
+        return kernel.dequantize_permuted(matrix, dtype)
+    except Exception as err:     # a Triton build that cannot compile for this GPU must not stop generation
+        _FUSED_FAILED.append(str(err))
+        warnings.warn(f"SpQR: the fused Triton kernel failed ({type(err).__name__}: {str(err)[:200]}); "
+                      "dequantizing with torch instead", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _second_level(codes: Tensor, scales: Tensor, zeros: Tensor, out: int, groups: int, stats_bits: int) -> Tensor:

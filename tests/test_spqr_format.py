@@ -125,6 +125,23 @@ def test_fused_kernel_on_cuda_equals_the_dense_reference():
     check_fused_kernel("cuda")
 
 
+def test_a_fused_kernel_that_fails_falls_back_to_torch_with_one_warning(monkeypatch):
+    import quant.spqr_format as fmt
+    calls = []
+
+    class Broken:
+        def dequantize_permuted(self, matrix, dtype):
+            calls.append(dtype)
+            raise RuntimeError("no kernel image is available for this GPU")
+
+    monkeypatch.setattr(fmt, "_fused_kernel", lambda: Broken())
+    monkeypatch.setattr(fmt, "_FUSED_FAILED", [])
+    matrix, _ = random_matrix(4, (16, 32), 1)
+    with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
+        assert fmt._try_fused(matrix, torch.float32) is None
+    assert fmt._try_fused(matrix, torch.float32) is None and len(calls) == 1     # not retried
+
+
 def _problem(out=64, inp=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, inp, generator=g) * 0.02
