@@ -13,11 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
 
+def _default_sigint() -> None:
+    """A test run started in the background inherits an ignored SIGINT, and Python then never turns
+    Ctrl-C into KeyboardInterrupt: the chat gets the default disposition, as from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Chat:
     def __init__(self, *flags: str) -> None:
         self.process = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "chat", *flags], cwd=ROOT,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1)
+                                        text=True, bufsize=1, preexec_fn=_default_sigint)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen = ""
         threading.Thread(target=self._pump, daemon=True).start()
