@@ -36,6 +36,7 @@ class LoadOptions:
     draft_bytes: int = 0
     ring_size: int = 2
     disk_cold: bool = False
+    decode_ahead: bool | None = None  # the loader decodes streamed layers ahead; None: on a CPU
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)
@@ -126,7 +127,7 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
                            decode=lambda index, stored: source.decode_layer(index, stored, dtype),
-                           decode_ahead=device.type == "cpu")
+                           decode_ahead=device.type == "cpu" if options.decode_ahead is None else options.decode_ahead)
 
 
 def stop_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

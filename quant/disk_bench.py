@@ -53,7 +53,9 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = p
     reference = resolve_model(config.target)
     rows = [_measure(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
                      f"reference-{dtype}", config, on_status) for dtype in config.reference_dtypes]
-    rows += [_measure(str(folder), "fp32", Path(folder).name, config, on_status) for folder in config.packed]
+    for folder in config.packed:    # the loader dequantizing ahead (the CPU default) and at use, side by side
+        rows.append(_measure(str(folder), "fp32", Path(folder).name, config, on_status))
+        rows.append(_measure(str(folder), "fp32", f"{Path(folder).name}-at-use", config, on_status, decode_ahead=False))
     _add_ratios(rows)
     return {"bench": "quant-disk", "new_tokens": config.new_tokens, "prompt": config.prompt, "rows": rows}
 
@@ -80,9 +82,10 @@ def stored_copy(folder: Path, dtype: str, on_status) -> Path:
     return out
 
 
-def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status) -> dict:
+def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status,
+             decode_ahead: bool | None = None) -> dict:
     options = LoadOptions(model, dtype=dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
-                          max_pass_tokens=MAX_PASS_TOKENS)
+                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=decode_ahead)
     options.gpu_mem = streaming_device_budget(options)
     loaded = load_model(options)
     try:
