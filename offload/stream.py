@@ -32,7 +32,7 @@ class PassStats:
     seconds: float = 0.0
     wait_seconds: float = 0.0        # compute thread blocked on a layer not yet loaded
     transfer_seconds: float = 0.0    # loader time spent moving the bytes consumed in this pass
-    decode_seconds: float = 0.0      # loader time spent decoding them (decode_ahead)
+    decode_seconds: float = 0.0      # decoder-thread time spent decoding them (decode_ahead)
     bytes_by_tier: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
 
     @property
@@ -73,11 +73,14 @@ def _as_stored(index: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 class StreamingLayers:
     """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads. `decode`
     turns a layer's stored tensors into what the layer math takes (packed formats dequantize there,
-    on the compute device, just before use). With `decode_ahead` (a CPU, where the loader thread has
-    a core of its own while compute runs) the loader decodes each streamed layer right after loading
-    it and calls `prepare()` on every decoded value that has one (a packed weight dequantizes then), so
-    dequantization overlaps the previous layer's compute instead of adding to it; a ring slot then
-    also holds its layer's decoded weights until released."""
+    on the compute device, just before use). With `decode_ahead` (a CPU, where a second core is free
+    while compute runs) a decoder thread takes each loaded layer, decodes it and calls `prepare()` on
+    every decoded value that has one (a packed weight dequantizes then): reading, dequantizing and
+    computing are three stages that overlap, so a layer costs the slowest of them rather than
+    dequantization plus compute. A ring slot then also holds its layer's decoded weights until released.
+
+    Slot states: free -> loading -> ready -> in_use -> free, or with decode_ahead
+    free -> loading -> loaded -> decoding -> ready -> in_use -> free."""
 
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
@@ -92,6 +95,7 @@ class StreamingLayers:
         self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._decoder: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
         self._next_use = 0                 # index (over all passes) of the next streamed layer to compute
@@ -175,20 +179,24 @@ class StreamingLayers:
             slot.state, slot.layer, slot.decoded = "free", -1, None
 
     def close(self) -> None:
-        thread = self._thread
-        if thread is None:
+        threads = [t for t in (self._thread, self._decoder) if t is not None]
+        if not threads:
             return
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        thread.join()
-        self._thread, self._stop = None, False
+        for thread in threads:
+            thread.join()
+        self._thread, self._decoder, self._stop = None, None, False
 
     # loader thread -------------------------------------------------------------------------------
     def _start_loader(self) -> None:
         self._error = None
         self._thread = threading.Thread(target=self._loader_main, name="layer-loader", daemon=True)
         self._thread.start()
+        if self.decode_ahead:
+            self._decoder = threading.Thread(target=self._decoder_main, name="layer-decoder", daemon=True)
+            self._decoder.start()
 
     def _loader_main(self) -> None:
         load_count = self._next_use
@@ -205,15 +213,37 @@ class StreamingLayers:
                 if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
                     self.disk.drop_page_cache()
                 self._load(layer, slot)
+                with self._cond:
+                    slot.state = "loaded" if self.decode_ahead else "ready"
+                    self._cond.notify_all()
+                load_count += 1
+        except BaseException as err:  # handed to the compute thread, which raises it with context
+            self._fail(err)
+
+    def _decoder_main(self) -> None:
+        decode_count = self._next_use
+        try:
+            while True:
+                layer = self.streamed[decode_count % len(self.streamed)]
+                slot = self.slots[decode_count % len(self.slots)]
+                with self._cond:
+                    while not (slot.state == "loaded" and slot.layer == layer) and not self._stop:
+                        self._cond.wait(POLL_SECONDS)
+                    if self._stop:
+                        return
+                    slot.state = "decoding"
                 self._decode_ahead(layer, slot)
                 with self._cond:
                     slot.state = "ready"
                     self._cond.notify_all()
-                load_count += 1
-        except BaseException as err:  # handed to the compute thread, which raises it with context
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+                decode_count += 1
+        except BaseException as err:
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            self._error = err
+            self._cond.notify_all()
 
     def _load(self, layer: int, slot: _Slot) -> None:
         start = time.perf_counter()
@@ -227,9 +257,6 @@ class StreamingLayers:
         slot.load_seconds = time.perf_counter() - start
 
     def _decode_ahead(self, layer: int, slot: _Slot) -> None:
-        slot.decoded, slot.decode_seconds = None, 0.0
-        if not self.decode_ahead:
-            return
         start = time.perf_counter()
         decoded = self.decode(layer, self.layout.views(slot.buffer))
         for value in decoded.values():
@@ -258,3 +285,5 @@ class StreamingLayers:
             raise StreamError(f"loading decoder layer {index} from {self.tier_of[index]} failed: {err}") from err
         if self._thread is None or not self._thread.is_alive():
             raise StreamError(f"the layer loader is not running (layer {index} was never loaded)")
+        if self.decode_ahead and (self._decoder is None or not self._decoder.is_alive()):
+            raise StreamError(f"the layer decoder is not running (layer {index} was never decoded)")

@@ -4,9 +4,9 @@ dropped before each pass, the reference weights (fp32 and bf16) against packed S
 Per model: decoding tokens per second (the passes after the prefill), bytes streamed per pass, and
 where a pass's time goes per layer: waiting for the loader (transfer and, on a CPU, decoding not
 hidden), dequantization (packed layers decoded into dense matrices, timed alone; 0 for dense weights),
-the loader's decoding time (on a CPU the loader dequantizes each layer while compute runs the previous
-one) and the rest (the layer's compute). A packed model's pass gains as far as its transfer plus
-dequantization stays under the dense model's transfer.
+the decoder thread's time (on a CPU a decoder thread dequantizes each layer between its read and its
+compute) and the rest (the layer's compute). A packed model's pass gains as far as the slowest of its
+three stages (read, dequantize, compute) stays under the dense model's transfer.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = p
     reference = resolve_model(config.target)
     rows = [_measure(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
                      f"reference-{dtype}", config, on_status) for dtype in config.reference_dtypes]
-    for folder in config.packed:    # the loader dequantizing ahead (the CPU default) and at use, side by side
+    for folder in config.packed:    # dequantized ahead by the decoder thread (the CPU default) and at use, side by side
         rows.append(_measure(str(folder), "fp32", Path(folder).name, config, on_status))
         rows.append(_measure(str(folder), "fp32", f"{Path(folder).name}-at-use", config, on_status, decode_ahead=False))
     _add_ratios(rows)
@@ -132,7 +132,7 @@ def _row(name: str, loaded: LoadedModel, passes: list[PassStats], dequantize: fl
                              "transfer": round(1e3 * statistics.median(p.transfer_seconds for p in passes)
                                                / num_layers, 3),
                              "dequantize": round(1e3 * dequantize, 3),
-                             "decoded_by_loader": round(1e3 * statistics.median(p.decode_seconds for p in passes)
+                             "decoded_ahead": round(1e3 * statistics.median(p.decode_seconds for p in passes)
                                                         / num_layers, 3)}}
 
 

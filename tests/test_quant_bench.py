@@ -70,8 +70,8 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
     assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
     assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
-    # the default CPU row dequantizes in the loader thread, the at-use row on the compute thread
-    assert rows["w4"]["per_layer_ms"]["decoded_by_loader"] > 0 == rows["w4-at-use"]["per_layer_ms"]["decoded_by_loader"]
+    # the default CPU row dequantizes in the decoder thread, the at-use row on the compute thread
+    assert rows["w4"]["per_layer_ms"]["decoded_ahead"] > 0 == rows["w4-at-use"]["per_layer_ms"]["decoded_ahead"]
     assert rows["w4"]["bytes_per_pass"] == rows["w4-at-use"]["bytes_per_pass"]
     copies = list((tmp_path / "cache" / "bench_quant").glob("*-bf16"))   # the bf16 row read bf16 bytes
     assert len(copies) == 1 and (copies[0] / "config.json").exists()

@@ -90,7 +90,7 @@ def test_ring_wraps_into_the_next_pass(folder):
 
 
 def _loader_threads():
-    return [t for t in threading.enumerate() if t.name == "layer-loader"]
+    return [t for t in threading.enumerate() if t.name in ("layer-loader", "layer-decoder")]
 
 
 def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch):
@@ -143,7 +143,7 @@ def test_budget_below_ring_minimum_is_refused(folder):
                                                            gpu_mem=1000))
 
 
-def test_on_a_cpu_the_loader_decodes_and_prepares_streamed_layers_ahead(folder):
+def test_on_a_cpu_a_decoder_thread_decodes_and_prepares_streamed_layers_ahead(folder):
     prompt = [5, 17, 99, 3, 42]
     resident, _ = _engine(folder, "device")
     expected_tokens, expected_logits = _greedy(resident.model, prompt)
@@ -165,8 +165,26 @@ def test_on_a_cpu_the_loader_decodes_and_prepares_streamed_layers_ahead(folder):
     tokens, logits = _greedy(engine.model, prompt)
     layers.close()
     assert tokens == expected_tokens and torch.equal(logits, expected_logits)
-    streamed = [(index, packed) for index, thread, packed in decoded if thread == "layer-loader"]
+    streamed = [(index, packed) for index, thread, packed in decoded if thread == "layer-decoder"]
     assert {index for index, _ in streamed} == {1, 2, 3, 4, 5}
-    assert all(packed.prepared_in == "layer-loader" for _, packed in streamed)
-    assert {index for index, thread, _ in decoded if thread != "layer-loader"} == {0}      # the resident layer
+    assert all(packed.prepared_in == "layer-decoder" for _, packed in streamed)
+    assert {index for index, thread, _ in decoded if thread != "layer-decoder"} == {0}      # the resident layer
+    assert not _loader_threads()
     assert layers.total.decode_seconds > 0
+
+
+def test_a_decode_error_in_the_decoder_thread_raises_clearly_and_never_hangs(folder):
+    engine, _ = _engine(folder, "ram")
+    inner = engine.layers.decode
+
+    def failing(index, stored):
+        if index == 3:
+            raise ValueError("layer 3: truncated packed data")
+        return inner(index, stored)
+
+    engine.layers.decode = failing
+    start = time.time()
+    with pytest.raises(StreamError, match="truncated packed data"):
+        engine.model.forward(torch.tensor([[1, 2]]), engine.model.new_cache(64))
+    assert time.time() - start < 10
+    assert not _loader_threads()
