@@ -204,12 +204,8 @@ class StreamingLayers:
             while True:
                 layer = self.streamed[load_count % len(self.streamed)]
                 slot = self.slots[load_count % len(self.slots)]
-                with self._cond:
-                    while slot.state != "free" and not self._stop:
-                        self._cond.wait(POLL_SECONDS)
-                    if self._stop:
-                        return
-                    slot.state, slot.layer = "loading", layer
+                if not self._claim(slot, "free", None, layer, "loading"):
+                    return
                 if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
                     self.disk.drop_page_cache()
                 self._load(layer, slot)
@@ -226,12 +222,8 @@ class StreamingLayers:
             while True:
                 layer = self.streamed[decode_count % len(self.streamed)]
                 slot = self.slots[decode_count % len(self.slots)]
-                with self._cond:
-                    while not (slot.state == "loaded" and slot.layer == layer) and not self._stop:
-                        self._cond.wait(POLL_SECONDS)
-                    if self._stop:
-                        return
-                    slot.state = "decoding"
+                if not self._claim(slot, "loaded", layer, layer, "decoding"):
+                    return
                 self._decode_ahead(layer, slot)
                 with self._cond:
                     slot.state = "ready"
@@ -239,6 +231,17 @@ class StreamingLayers:
                 decode_count += 1
         except BaseException as err:
             self._fail(err)
+
+    def _claim(self, slot: _Slot, state: str, layer: int | None, new_layer: int, new_state: str) -> bool:
+        """Waits until `slot` is in `state` (holding `layer`, unless None), then moves it on; False when
+        the engine is stopping."""
+        with self._cond:
+            while not (slot.state == state and layer in (None, slot.layer)) and not self._stop:
+                self._cond.wait(POLL_SECONDS)
+            if self._stop:
+                return False
+            slot.state, slot.layer = new_state, new_layer
+            return True
 
     def _fail(self, err: BaseException) -> None:
         with self._cond:
