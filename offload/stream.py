@@ -59,7 +59,7 @@ class _Slot:
     layer: int = -1
     state: str = "free"                  # free -> loading -> ready -> in_use -> free
     load_seconds: float = 0.0            # host-side load time (disk read, CPU copy)
-    decoded: dict | None = None          # the layer decoded by the loader (decode_ahead)
+    decoded: dict | None = None          # the layer decoded by the decoder thread (decode_ahead)
     decode_seconds: float = 0.0
     copy_started: object = None          # CUDA event (timed): host->device copy queued
     copied: object = None                # CUDA event (timed): copy into `buffer` done
@@ -73,7 +73,7 @@ def _as_stored(index: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 class StreamingLayers:
     """A LayerProvider over three tiers: device-resident layers, RAM buffers and disk reads. `decode`
     turns a layer's stored tensors into what the layer math takes (packed formats dequantize there,
-    on the compute device, just before use). With `decode_ahead` (a CPU, where a second core is free
+    on the compute device, just before use). With `decode_ahead` (for a CPU, where a second core is free
     while compute runs) a decoder thread takes each loaded layer, decodes it and calls `prepare()` on
     every decoded value that has one (a packed weight dequantizes then): reading, dequantizing and
     computing are three stages that overlap, so a layer costs the slowest of them rather than

@@ -64,15 +64,15 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     quantize(QuantizeConfig(str(folder), packed, bits=4, outlier_threshold=8.0, nsamples=4, seqlen=32))
     result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4), on_status=lambda m: None)
     rows = {row["model"]: row for row in result["rows"]}
-    assert list(rows) == ["reference-fp32", "reference-bf16", "w4", "w4-at-use"]
+    assert list(rows) == ["reference-fp32", "reference-bf16", "w4", "w4-ahead"]
     for row in rows.values():
         assert row["layers_from_disk"] == 3 and row["decode_passes"] >= 1 and row["tokens_per_second"] > 0
     assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
     assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
     assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
-    # the default CPU row dequantizes in the decoder thread, the at-use row on the compute thread
-    assert rows["w4"]["per_layer_ms"]["decoded_ahead"] > 0 == rows["w4-at-use"]["per_layer_ms"]["decoded_ahead"]
-    assert rows["w4"]["bytes_per_pass"] == rows["w4-at-use"]["bytes_per_pass"]
+    # the default row dequantizes on the compute thread, the -ahead row in the decoder thread
+    assert rows["w4-ahead"]["per_layer_ms"]["decoded_ahead"] > 0 == rows["w4"]["per_layer_ms"]["decoded_ahead"]
+    assert rows["w4"]["bytes_per_pass"] == rows["w4-ahead"]["bytes_per_pass"]
     copies = list((tmp_path / "cache" / "bench_quant").glob("*-bf16"))   # the bf16 row read bf16 bytes
     assert len(copies) == 1 and (copies[0] / "config.json").exists()
     with pytest.raises(ValueError, match="--packed"):

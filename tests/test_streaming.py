@@ -147,9 +147,9 @@ def test_on_a_cpu_a_decoder_thread_decodes_and_prepares_streamed_layers_ahead(fo
     prompt = [5, 17, 99, 3, 42]
     resident, _ = _engine(folder, "device")
     expected_tokens, expected_logits = _greedy(resident.model, prompt)
-    engine, _ = _engine(folder, "disk")
+    engine, _ = _engine(folder, "disk", decode_ahead=True)
     layers, inner, decoded = engine.layers, engine.layers.decode, []
-    assert layers.decode_ahead
+    assert layers.decode_ahead and not _engine(folder, "disk")[0].layers.decode_ahead      # off by default
 
     class Packed:       # stands for a packed weight: prepare() is where it would dequantize
         prepared_in = None
@@ -174,7 +174,7 @@ def test_on_a_cpu_a_decoder_thread_decodes_and_prepares_streamed_layers_ahead(fo
 
 
 def test_a_decode_error_in_the_decoder_thread_raises_clearly_and_never_hangs(folder):
-    engine, _ = _engine(folder, "ram")
+    engine, _ = _engine(folder, "ram", decode_ahead=True)
     inner = engine.layers.decode
 
     def failing(index, stored):
