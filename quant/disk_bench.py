@@ -36,6 +36,7 @@ class DiskBenchConfig:
     target: str | None = None                        # the reference (default: the embedded model)
     packed: list[Path] = field(default_factory=list)  # SpQR checkpoints of that model
     new_tokens: int = 24
+    rounds: int = 1                                  # every model once per round, in turn; medians reported
     reference_dtypes: tuple[str, ...] = ("fp32", "bf16")
     prompt: str = PROMPT
 
@@ -47,17 +48,39 @@ class DiskBenchConfig:
                 raise FileNotFoundError(f"--packed {folder}: no config.json there (not a checkpoint folder)")
         if self.new_tokens < 2:
             raise ValueError(f"new tokens must be >= 2, got {self.new_tokens}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
 
 def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = print) -> dict:
+    """Every model once per round, in turn, so that a shared machine's slow phases fall on all of them;
+    each row holds the medians over the rounds."""
     reference = resolve_model(config.target)
-    rows = [_measure(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
-                     f"reference-{dtype}", config, on_status) for dtype in config.reference_dtypes]
+    runs = [(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
+             f"reference-{dtype}", False) for dtype in config.reference_dtypes]
     for folder in config.packed:    # dequantized at use (the default) and ahead by a decoder thread, side by side
-        rows.append(_measure(str(folder), "fp32", Path(folder).name, config, on_status))
-        rows.append(_measure(str(folder), "fp32", f"{Path(folder).name}-ahead", config, on_status, decode_ahead=True))
+        runs += [(str(folder), "fp32", Path(folder).name, False), (str(folder), "fp32", f"{Path(folder).name}-ahead", True)]
+    measured: dict[str, list[dict]] = {}
+    for round_index in range(config.rounds):
+        for model, dtype, name, ahead in runs:
+            if config.rounds > 1:
+                on_status(f"round {round_index + 1}/{config.rounds}")
+            measured.setdefault(name, []).append(_measure(model, dtype, name, config, on_status, ahead))
+    rows = [_median_row(rows) for rows in measured.values()]
     _add_ratios(rows)
-    return {"bench": "quant-disk", "new_tokens": config.new_tokens, "prompt": config.prompt, "rows": rows}
+    return {"bench": "quant-disk", "new_tokens": config.new_tokens, "rounds": config.rounds, "prompt": config.prompt,
+            "rows": rows}
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """One model's rounds -> its row with tok/s and the per-layer times as medians (and every round's tok/s)."""
+    row = dict(rows[0])
+    row["tokens_per_second"] = round(statistics.median(r["tokens_per_second"] for r in rows), 3)
+    row["pass_seconds"] = round(statistics.median(r["pass_seconds"] for r in rows), 4)
+    row["per_layer_ms"] = {key: round(statistics.median(r["per_layer_ms"][key] for r in rows), 3)
+                           for key in rows[0]["per_layer_ms"]}
+    row["tokens_per_second_by_round"] = [r["tokens_per_second"] for r in rows]
+    return row
 
 
 def stored_copy(folder: Path, dtype: str, on_status) -> Path:

@@ -40,12 +40,14 @@ def add_bench_quant_parser(benches) -> None:
     disk.add_argument("--target", default=None, help="reference model (default: embedded model)")
     disk.add_argument("--packed", type=Path, nargs="+", required=True, help="SpQR checkpoints of that model")
     disk.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per model (default: 24)")
+    disk.add_argument("--rounds", type=int, default=3, help="every model once per round, in turn; medians "
+                                                            "(default: 3)")
     disk.add_argument("--json", action="store_true", help="print only JSON")
 
 
 def bench_quant_disk(args, console) -> dict:
     from quant.disk_bench import DiskBenchConfig, run_disk_bench
-    config = DiskBenchConfig(args.target, list(args.packed), args.new_tokens)
+    config = DiskBenchConfig(args.target, list(args.packed), args.new_tokens, args.rounds)
     result = run_disk_bench(config, on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     if not args.json:
         for row in result["rows"]:

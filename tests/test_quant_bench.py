@@ -62,11 +62,13 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
     packed = tmp_path / "w4"
     quantize(QuantizeConfig(str(folder), packed, bits=4, outlier_threshold=8.0, nsamples=4, seqlen=32))
-    result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4), on_status=lambda m: None)
+    result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4, rounds=2), on_status=lambda m: None)
     rows = {row["model"]: row for row in result["rows"]}
     assert list(rows) == ["reference-fp32", "reference-bf16", "w4", "w4-ahead"]
     for row in rows.values():
         assert row["layers_from_disk"] == 3 and row["decode_passes"] >= 1 and row["tokens_per_second"] > 0
+        by_round = row["tokens_per_second_by_round"]          # the median of two rounds is their mean
+        assert len(by_round) == 2 and abs(row["tokens_per_second"] - sum(by_round) / 2) <= 1e-3
     assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
     assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
     assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
@@ -77,6 +79,8 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     assert len(copies) == 1 and (copies[0] / "config.json").exists()
     with pytest.raises(ValueError, match="--packed"):
         DiskBenchConfig(str(folder), [])
+    with pytest.raises(ValueError, match="rounds"):
+        DiskBenchConfig(str(folder), [packed], rounds=0)
 
 
 def test_chat_answers_are_cached_per_length(tmp_path, monkeypatch):
