@@ -16,8 +16,7 @@ import torch
 from offload import LoadedModel, LoadOptions, Tokenizer, load_model
 from offload.config import ModelConfig
 from offload.devices import choose_device, choose_dtype
-from offload.loader import stop_token_ids
-from offload.planner import kv_cache_bytes, request_from_config, workspace_bytes
+from offload.loader import stop_token_ids, streaming_device_budget
 from offload.sources import resolve_model
 from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, SamplingConfig, Speculator
 from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
@@ -86,16 +85,11 @@ def load_options(config: SpecBenchConfig, mode: str) -> LoadOptions:
 
 
 def disk_cold_gpu_mem(config: SpecBenchConfig) -> int:
-    """A device budget (from config.json) holding what never streams (globals, draft, KV cache, workspace),
-    the ring, DISK_COLD_RESIDENT_LAYERS layers and half a layer of slack: most layers stream from disk."""
-    device = choose_device()
-    request = request_from_config(ModelConfig.from_file(resolve_model(config.target)), _dtype_bytes(), 1, 1,
-                                  max_context=config.max_context, max_tree=config.max_pass_tokens,
-                                  device_is_cpu=device.type == "cpu")
-    cfg, layer = request.config, request.layer_bytes
-    fixed = (request.global_bytes + estimated_draft_bytes(config.draft_spec, _dtype_bytes()) + workspace_bytes(request)
-             + kv_cache_bytes(cfg, request.max_context + request.max_tree, request.dtype_bytes))
-    return fixed + (request.ring_size + DISK_COLD_RESIDENT_LAYERS) * layer + layer // 2
+    """A device budget holding what never streams (globals, draft, KV cache, workspace), the ring,
+    DISK_COLD_RESIDENT_LAYERS layers and half a layer of slack, in the layer bytes as stored (a packed
+    checkpoint's are packed; from config.json they would leave every packed layer resident): most
+    layers stream from disk."""
+    return streaming_device_budget(load_options(config, "resident"), DISK_COLD_RESIDENT_LAYERS)
 
 
 def _dtype_bytes() -> int:
