@@ -33,7 +33,7 @@ def _code(stream, index, num_bytes, valid, BITS: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_kernel(codes, scale_codes, zero_codes, params, out, rows, cols, code_bytes, stat_bytes,
+def _dequantize_kernel(codes, scale_codes, zero_codes, stat_params, out, rows, cols, code_bytes, stat_bytes,
                        BITS: tl.constexpr, STATS_BITS: tl.constexpr, GROUP: tl.constexpr, RUN: tl.constexpr,
                        BLOCK: tl.constexpr):
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +41,7 @@ def _dequantize_kernel(codes, scale_codes, zero_codes, params, out, rows, cols, 
     row, col = index // cols, index % cols
     groups = cols // GROUP
     stat = row * groups + col // GROUP
-    param = params + ((row // RUN) * groups + col // GROUP) * 4        # [runs, groups, 4] fp16
+    param = stat_params + ((row // RUN) * groups + col // GROUP) * 4        # [runs, groups, 4] fp16
     s_scale = tl.load(param, mask=valid, other=0).to(tl.float32)
     s_zero = tl.load(param + 1, mask=valid, other=0).to(tl.float32)
     z_scale = tl.load(param + 2, mask=valid, other=0).to(tl.float32)

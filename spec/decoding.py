@@ -199,7 +199,8 @@ class Decoder:
         if tree.num_nodes == 1:
             return self.target.forward(tokens, self.cache, return_hidden=self.policy.needs_hidden)
         length = self.cache.length
-        return self.target.forward(tokens, self.cache, tree.positions(length), tree.attention_mask(length),
+        return self.target.forward(tokens, self.cache, tree.positions(length),
+                                   tree.attention_mask(length, self.target.device),
                                    return_hidden=self.policy.needs_hidden)
 
 

@@ -5,6 +5,11 @@ already pending in the draft's cache, so a round costs one pass over the new nod
 expanded node proposes its top children; only the global top `budget` nodes survive. A child's
 log-probability never exceeds its parent's, so the survivors form a tree, and the threshold to enter
 only rises: growth stops when no open node could have a child that enters, or at the depth cap.
+
+The tree's bookkeeping lives on the host whatever the draft's device: it is a few thousand small
+integers, and on a GPU every read of a device tensor (a boolean index, an int(), a tolist()) waits for
+all queued work. A round reads the device once (its children's top log-probabilities) and sends the
+chosen nodes' tokens, positions and mask down.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from .tree import Tree
 
 NOT_EXPANDED = -1
 MAX_WIDTH, MAX_CHILDREN, MAX_DEPTH = 128, 32, 32
+HOST = torch.device("cpu")
 
 
 @dataclass(slots=True)
@@ -52,33 +58,34 @@ class _Pool:
     """The growing tree: parents precede children; `slots` is each node's draft cache slot once it
     has been expanded (the root's keys are committed, so it has none)."""
 
-    def __init__(self, root_token: int, device: torch.device) -> None:
-        self.tokens = torch.tensor([root_token], device=device)
-        self.parents = torch.tensor([-1], device=device)
-        self.depths = torch.zeros(1, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(1, device=device)
-        self.slots = torch.full((1,), NOT_EXPANDED - 1, device=device)   # root: expanded, no slot
+    def __init__(self, root_token: int) -> None:
+        self.tokens = torch.tensor([root_token])
+        self.parents = torch.tensor([-1])
+        self.depths = torch.zeros(1, dtype=torch.long)
+        self.logprobs = torch.zeros(1)
+        self.slots = torch.full((1,), NOT_EXPANDED - 1)   # root: expanded, no slot
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
     def add_children(self, parents: Tensor, logq: Tensor, vocab_map: Tensor, num_children: int) -> None:
-        """parents [W] node indices; logq [W, K] draft log-probabilities at each."""
+        """parents [W] node indices; logq [W, K] draft log-probabilities at each (any device; the
+        top children are read to the host); vocab_map [K] on the host."""
         top = logq.topk(min(num_children, logq.shape[1]), dim=-1)                  # [W, C]
-        count = top.values.numel()
-        self.tokens = torch.cat((self.tokens, vocab_map[top.indices].reshape(-1)))
-        self.parents = torch.cat((self.parents, parents[:, None].expand_as(top.indices).reshape(-1)))
-        self.depths = torch.cat((self.depths, (self.depths[parents] + 1)[:, None].expand_as(top.indices).reshape(-1)))
-        self.logprobs = torch.cat((self.logprobs, (self.logprobs[parents][:, None] + top.values).reshape(-1)))
-        self.slots = torch.cat((self.slots, self.slots.new_full((count,), NOT_EXPANDED)))
+        values, indices = top.values.to(HOST), top.indices.to(HOST)
+        self.tokens = torch.cat((self.tokens, vocab_map[indices].reshape(-1)))
+        self.parents = torch.cat((self.parents, parents[:, None].expand_as(indices).reshape(-1)))
+        self.depths = torch.cat((self.depths, (self.depths[parents] + 1)[:, None].expand_as(indices).reshape(-1)))
+        self.logprobs = torch.cat((self.logprobs, (self.logprobs[parents][:, None] + values).reshape(-1)))
+        self.slots = torch.cat((self.slots, self.slots.new_full((values.numel(),), NOT_EXPANDED)))
 
     def add_nodes(self, parents: list[int], tokens: list[int], logprob: float) -> None:
         """One child per listed parent, `logprob` below it."""
         if not parents:
             return
-        index = torch.tensor(parents, device=self.tokens.device)
-        self.tokens = torch.cat((self.tokens, torch.tensor(tokens, device=self.tokens.device)))
+        index = torch.tensor(parents)
+        self.tokens = torch.cat((self.tokens, torch.tensor(tokens)))
         self.parents = torch.cat((self.parents, index))
         self.depths = torch.cat((self.depths, self.depths[index] + 1))
         self.logprobs = torch.cat((self.logprobs, self.logprobs[index] + logprob))
@@ -89,7 +96,7 @@ class _Pool:
         parent lost a tie at the threshold."""
         if self.size <= budget:
             return
-        keep = torch.zeros(self.size, dtype=torch.bool, device=self.tokens.device)
+        keep = torch.zeros(self.size, dtype=torch.bool)
         keep[0] = True
         keep[1 + self.logprobs[1:].topk(budget - 1).indices] = True
         for depth in range(1, int(self.depths.max()) + 1):
@@ -99,8 +106,8 @@ class _Pool:
 
     def select(self, order: Tensor) -> None:
         """Keeps the nodes `order` (parents listed before children) in that order."""
-        new_index = torch.full((self.size,), -1, dtype=torch.long, device=order.device)
-        new_index[order] = torch.arange(order.numel(), device=order.device)
+        new_index = torch.full((self.size,), -1, dtype=torch.long)
+        new_index[order] = torch.arange(order.numel())
         parents = self.parents[order]
         self.parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
         self.tokens, self.depths = self.tokens[order], self.depths[order]
@@ -128,20 +135,20 @@ class TreeGrower:
 
     def __init__(self, draft: Draft, cache: KVCache, lookup: ContextLookup | None = None) -> None:
         self.draft, self.cache, self.lookup = draft, cache, lookup
+        self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row
         self.num_draft_forwards = 0
 
     def grow(self, root_token: int, root_logprobs: Tensor, root_position: int,
              config: GrowthConfig, before_root: int | None = None) -> tuple[Tree, Tensor]:
         """root_logprobs [K]: the draft at the root; before_root: the committed token before it (for
-        context lookup). -> (tree in best-first order, [N] draft slots)."""
-        pool = _Pool(root_token, root_logprobs.device)
+        context lookup). -> (tree in best-first order, [N] draft slots), both on the host."""
+        pool = _Pool(root_token)
         if config.budget == 1 or config.max_depth == 0:
             return pool.best_first()
-        vocab_map = self.draft.vocab_map
-        chosen = torch.zeros(1, dtype=torch.long, device=pool.tokens.device)
+        chosen = torch.zeros(1, dtype=torch.long)
         logq = root_logprobs[None]
         while True:
-            pool.add_children(chosen, logq, vocab_map, min(config.max_children, config.budget - 1))
+            pool.add_children(chosen, logq, self.vocab_map, min(config.max_children, config.budget - 1))
             self._add_lookups(pool, chosen, before_root)
             pool.prune(config.budget)
             chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
@@ -155,9 +162,9 @@ class TreeGrower:
         if self.lookup is None or before_root is None:
             return
         nodes = chosen.tolist()
-        parents = pool.parents[chosen].tolist()
+        parents = pool.parents[chosen]
         last = pool.tokens[chosen].tolist()
-        previous = [before_root if p < 0 else int(pool.tokens[p]) for p in parents]
+        previous = torch.where(parents < 0, before_root, pool.tokens[parents.clamp(min=0)]).tolist()
         found = [(node, token) for node, token in zip(nodes, self.lookup.children(previous, last)) if token is not None]
         pool.add_nodes([node for node, _ in found], [token for _, token in found], LOOKUP_LOGPROB)
 
@@ -167,16 +174,16 @@ class TreeGrower:
         mask = self._mask(pool, chosen)
         positions = (root_position + pool.depths[chosen])[None]
         logq = self.draft.log_probs(pool.tokens[chosen][None], self.cache, positions, mask, keep_pending=True)
-        pool.slots[chosen] = first_slot + torch.arange(chosen.numel(), device=chosen.device)
+        pool.slots[chosen] = first_slot + torch.arange(chosen.numel())
         self.num_draft_forwards += 1
         return logq
 
     def _mask(self, pool: _Pool, chosen: Tensor) -> Tensor:
         """[W, slots + W] bool: the committed sequence, each chosen node's expanded ancestors, itself."""
         width, num_slots = chosen.numel(), self.cache.num_slots
-        mask = torch.zeros(width, num_slots + width, dtype=torch.bool, device=chosen.device)
+        mask = torch.zeros(width, num_slots + width, dtype=torch.bool)
         mask[:, :self.cache.length] = True
-        rows = torch.arange(width, device=chosen.device)
+        rows = torch.arange(width)
         mask[rows, num_slots + rows] = True
         ancestor = pool.parents[chosen]
         while bool((ancestor > 0).any()):        # node 0, the root, is in the committed part

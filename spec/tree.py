@@ -70,11 +70,12 @@ class Tree:
             current = torch.where(has_parent, self.parents[current.clamp(min=0)], current)
         return mask
 
-    def attention_mask(self, num_cached: int) -> Tensor:
-        """[N, num_cached + N] bool for the target pass: every node sees the whole cache, its
-        ancestors and itself."""
-        past = torch.ones(self.num_nodes, num_cached, dtype=torch.bool, device=self.parents.device)
-        return torch.cat((past, self.ancestor_mask()), dim=1)
+    def attention_mask(self, num_cached: int, device: torch.device | None = None) -> Tensor:
+        """[N, num_cached + N] bool on `device` (default: the tree's) for the target pass: every node
+        sees the whole cache, its ancestors and itself. Only the [N, N] part is built here and sent."""
+        device = device or self.parents.device
+        past = torch.ones(self.num_nodes, num_cached, dtype=torch.bool, device=device)
+        return torch.cat((past, self.ancestor_mask().to(device)), dim=1)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices root -> node."""

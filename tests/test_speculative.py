@@ -30,8 +30,8 @@ def pairs(tmp_path_factory):
     return get
 
 
-def load_pair(target_folder, draft_folder, tier="device"):
-    options = LoadOptions(str(target_folder), device="cpu", dtype="fp32", max_context=CONTEXT, max_pass_tokens=64)
+def load_pair(target_folder, draft_folder, tier="device", device="cpu"):
+    options = LoadOptions(str(target_folder), device=device, dtype="fp32", max_context=CONTEXT, max_pass_tokens=64)
     if tier != "device":
         probe = load_model(options)
         layer_bytes = probe.plan.request.layer_bytes
@@ -41,7 +41,7 @@ def load_pair(target_folder, draft_folder, tier="device"):
         options.gpu_mem, options.ram = fixed + ring + layer_bytes // 2, (1 if tier == "disk" else 100 * layer_bytes)
     target = load_model(options)
     assert tier == "device" or tier in target.plan.tier_of
-    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=CONTEXT))
+    draft = load_any_draft(str(draft_folder), target, LoadOptions(device=device, dtype="fp32", max_context=CONTEXT))
     return target, draft
 
 
@@ -67,6 +67,21 @@ def test_greedy_speculation_equals_target_greedy_for_every_budget(pairs, seed):
                 _, result = decode(target, draft, prompt, budget)
                 assert result.token_ids == reference.token_ids, (seed, draft_folder.name, prompt, budget)
                 assert result.stats.stop_reason == reference.stats.stop_reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tier", ["device", "ram"])
+def test_greedy_speculation_on_cuda_equals_target_greedy(pairs, tier):
+    """fp32 on the GPU: the tree's bookkeeping on the host, the passes on the device."""
+    target_folder, close, _ = pairs(2)
+    target, draft = load_pair(target_folder, close, tier, device="cuda")
+    for prompt in PROMPTS:
+        _, reference = decode(target, None, prompt, 1)
+        for budget in (2, 8, 64):
+            _, result = decode(target, draft, prompt, budget)
+            assert result.token_ids == reference.token_ids, (tier, prompt, budget)
+    target.layers.close()
 
 
 def test_speculation_accepts_tokens_from_a_good_draft(pairs):
@@ -154,3 +169,41 @@ def test_ctrl_c_mid_growth_or_verification_leaves_both_caches_consistent(pairs, 
     speculator = decoder.speculator
     assert speculator.cache.num_pending == 0 and speculator.cache.length == len(speculator.cached_ids)
     assert decoder.generate(PROMPTS[2], SamplingConfig()).token_ids == reference.token_ids
+
+
+class DeviceOutput(torch.Tensor):
+    """Stands for a tensor on a GPU: counts every read back to the host (each one waits for the
+    device's queued work); what it computes stays 'on the device'."""
+    reads = 0
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(a == torch.device("cpu") or a == "cpu" for a in args[1:])
+        if name in cls.READS or to_host or (name == "__getitem__" and _bool_index(args[1:])):
+            cls.reads += 1
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {})).as_subclass(torch.Tensor) if to_host else func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _bool_index(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.bool or isinstance(a, tuple) and _bool_index(a)
+               for a in args)
+
+
+def test_tree_growth_reads_the_draft_device_twice_per_round(pairs, monkeypatch):
+    """The tree's bookkeeping stays on the host: per growth round only the children's top values and
+    ids come back from the draft's device (on a GPU each read waits for all queued work)."""
+    target_folder, close, _ = pairs(0)
+    target, draft = load_pair(target_folder, close)
+    log_probs = draft.log_probs
+    monkeypatch.setattr(draft, "log_probs", lambda *a, **k: log_probs(*a, **k).as_subclass(DeviceOutput))
+    speculator = Speculator(draft, CONTEXT, 64, 64)
+    DeviceOutput.reads = 0
+    tree, slots = speculator.propose(PROMPTS[1][:-1], PROMPTS[1][-1], GrowthConfig(64, max_width=4))
+    rounds = speculator.grower.num_draft_forwards + 1          # the root's children, then one per forward
+    assert tree.num_nodes == 64 and rounds > 3
+    assert DeviceOutput.reads == 2 * rounds, (DeviceOutput.reads, rounds)
+    assert not isinstance(tree.tokens, DeviceOutput) and tree.tokens.device.type == "cpu"

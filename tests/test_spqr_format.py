@@ -189,3 +189,12 @@ def test_second_level_statistics_of_a_run_without_range_decode_exactly():
     decoded = _second_level(pack(codes, 3), scale.half(), zero.half(), values.shape[0], 1, 3)
     torch.testing.assert_close(decoded[:2 * STATS_RUN], values[:2 * STATS_RUN], rtol=0, atol=0)
     torch.testing.assert_close(decoded, values, rtol=1e-3, atol=0)
+
+
+def test_fused_kernel_arguments_avoid_the_names_older_triton_binders_use():
+    """Triton 3.6's generated argument binder assigns `params`, `options` and `specialization` in the same
+    scope as the kernel's arguments: a kernel argument of such a name fails on a GPU with 'failed to
+    specialize argument of type: dict' (seen on an H200), although the interpreter runs it."""
+    pytest.importorskip("triton")
+    from quant.spqr_triton import _dequantize_kernel
+    assert not {"params", "options", "specialization"} & set(_dequantize_kernel.arg_names)
