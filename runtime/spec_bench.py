@@ -15,7 +15,7 @@ import torch
 
 from offload import LoadedModel, LoadOptions, Tokenizer, load_model
 from offload.config import ModelConfig
-from offload.devices import choose_device, choose_dtype
+from offload.devices import choose_device, choose_dtype, dtype_name
 from offload.loader import stop_token_ids, streaming_device_budget
 from offload.sources import resolve_model
 from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, SamplingConfig, Speculator
@@ -44,6 +44,7 @@ class SpecBenchConfig:
     gpu_mem: int | None = None         # disk-cold device budget; None: disk_cold_gpu_mem()
     max_context: int = 4096
     run_peer: bool = True              # transformers' assisted generation
+    dtype: str = "auto"                # target and draft (auto: bf16 on CUDA, fp32 on CPU)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -76,8 +77,9 @@ class SpecBenchConfig:
 
 def load_options(config: SpecBenchConfig, mode: str) -> LoadOptions:
     """The target planned for the largest budget; disk-cold: a small device budget, no RAM tier."""
-    options = LoadOptions(config.target, max_context=config.max_context, max_pass_tokens=config.max_pass_tokens,
-                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes()))
+    options = LoadOptions(config.target, dtype=config.dtype, max_context=config.max_context,
+                          max_pass_tokens=config.max_pass_tokens,
+                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes(config.dtype)))
     if mode == "disk-cold":
         options.gpu_mem, options.ram = config.gpu_mem or disk_cold_gpu_mem(config), 1
         options.disk_cold = True
@@ -92,8 +94,8 @@ def disk_cold_gpu_mem(config: SpecBenchConfig) -> int:
     return streaming_device_budget(load_options(config, "resident"), DISK_COLD_RESIDENT_LAYERS)
 
 
-def _dtype_bytes() -> int:
-    return choose_dtype("auto", choose_device()).itemsize
+def _dtype_bytes(dtype: str) -> int:
+    return choose_dtype(dtype, choose_device()).itemsize
 
 
 @dataclass(slots=True)
@@ -119,7 +121,8 @@ class ModeRun:
 
 def open_mode(config: SpecBenchConfig, mode: str, on_status: Status) -> ModeRun:
     target = load_model(load_options(config, mode))
-    draft_options = LoadOptions(max_context=config.max_context, max_pass_tokens=config.max_pass_tokens)
+    draft_options = LoadOptions(dtype=config.dtype, max_context=config.max_context,
+                                max_pass_tokens=config.max_pass_tokens)
     draft = load_any_draft(config.draft_spec, target, draft_options, on_status)
     decode = DecodeConfig(config.max_new_tokens, config.max_context, config.max_pass_tokens)
     speculator = Speculator(draft, config.max_context, config.max_budget, config.max_pass_tokens)
@@ -220,7 +223,8 @@ def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: l
     report = {"bench": "spec", "target": DEFAULT_TARGET_NAME if config.target in (None, "default")
               else target_folder.name, "draft": Path(config.draft_spec).name, "prompts": len(prompts),
               "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling),
-              "device": str(choose_device()), "threads": torch.get_num_threads(), "modes": {}}
+              "device": str(choose_device()), "dtype": dtype_name(choose_dtype(config.dtype, choose_device())),
+              "threads": torch.get_num_threads(), "modes": {}}
     references = {}
     for mode in config.modes:
         on_status(f"{mode}: loading, then {len(prompts)} prompts x {len(config.budgets) + 2} rows")

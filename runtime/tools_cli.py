@@ -118,6 +118,8 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--gpu-mem", default=None,
                       help="disk-cold device budget, e.g. 700MiB (default: what never streams + the ring + "
                            "3 layers)")
+    spec.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                      help="target and draft dtype (default: auto = bf16 on CUDA, fp32 on CPU)")
     spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
     spec.add_argument("--json", action="store_true", help="print only JSON")
 
@@ -224,7 +226,8 @@ def _bench_spec(args, console) -> dict:
         raise ValueError(f"--budgets takes comma-separated integers, e.g. 1,4,16; got {args.budgets!r}") from None
     config = SpecBenchConfig(args.target, args.draft, args.max_new_tokens, budgets,
                              [m.strip() for m in args.modes.split(",") if m.strip()],
-                             parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer)
+                             parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer,
+                             dtype=args.dtype)
     sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
     result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))

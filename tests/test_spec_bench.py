@@ -83,7 +83,7 @@ def test_bench_runs_every_mode_and_the_peer_on_a_tiny_pair(tiny_pair, tmp_path, 
     config.gpu_mem, config.modes = _disk_cold_gpu_mem(config), ["resident", "disk-cold"]
     report = run_spec_bench(config, SamplingConfig(), PROMPTS)
     assert report["target"] == "target" and report["draft"] == "draft" and report["prompts"] == 2
-    assert report["modes"]["disk-cold"]["layers"]["device"] == 0
+    assert report["dtype"] == "fp32" and report["modes"]["disk-cold"]["layers"]["device"] == 0
     for mode in report["modes"].values():
         assert set(mode) == MODE_KEYS and [r["budget"] for r in mode["budgets"]] == [1, 8]
         for row in [*mode["budgets"], mode["auto"]]:
