@@ -120,10 +120,11 @@ def _decode(model: DecoderModel, cache: KVCache, logits: Tensor, state: _BatchSt
     is_live = torch.ones(len(rows), dtype=torch.bool)
     while True:
         next_ids = sample(logits, sampling, generator)                               # [A]
+        tokens = next_ids.tolist()               # one read of the device per step, not one per row
         for cache_row, row in enumerate(rows.tolist()):
             if not is_live[cache_row]:
                 continue
-            token = int(next_ids[cache_row])
+            token = tokens[cache_row]
             state.answers[row].append(token)
             if token in stop_ids or len(state.answers[row]) >= config.max_new_tokens:
                 state.stop[row] = "eos" if token in stop_ids else "length"
