@@ -144,8 +144,7 @@ def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[list[int]], sam
         for row in rows:
             result = run.decode(row, prompt_ids, seeded, config.max_new_tokens)
             results[row].append(result)
-            on_status(f"{mode}: prompt {index + 1}/{len(prompts)} {row}: {result.stats.num_new_tokens} tokens, "
-                      f"{result.stats.tokens_per_pass:.2f} tok/pass, {result.stats.tokens_per_second:.1f} tok/s")
+            on_status(_progress_line(mode, index, len(prompts), row, result, results["autoregressive"][index]))
     curve = measure_pass_times(run.target, config.max_budget)
     run.close()
     reference = [r.token_ids for r in results["autoregressive"]]
@@ -190,6 +189,16 @@ def row_report(results: list[DecodeResult], reference: list[list[int]] | None, b
     if reference is not None:
         row["identical_to_autoregressive"] = sum(r.token_ids == ids for r, ids in zip(results, reference))
     return row
+
+
+def _progress_line(mode: str, index: int, count: int, row, result: DecodeResult, reference: DecodeResult) -> str:
+    """One finished row (a run cut off by a time limit keeps these): tokens, passes, speed, ms per step
+    by part, and whether the output equals autoregressive decoding's."""
+    stats, steps = result.stats, max(result.stats.num_steps, 1)
+    same = "same" if result.token_ids == reference.token_ids else "DIFFERS"
+    return (f"{mode}: prompt {index + 1}/{count} {row}: {stats.num_new_tokens} tokens, {stats.tokens_per_pass:.2f} "
+            f"tok/pass, {stats.tokens_per_second:.1f} tok/s, ms/step draft {1e3 * stats.draft_seconds / steps:.1f} "
+            f"target {1e3 * stats.target_seconds / steps:.1f} other {1e3 * stats.overhead_seconds / steps:.1f}, {same}")
 
 
 def merge_stats(parts: list[DecodeStats]) -> DecodeStats:

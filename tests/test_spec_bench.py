@@ -81,7 +81,10 @@ def test_bench_runs_every_mode_and_the_peer_on_a_tiny_pair(tiny_pair, tmp_path, 
     target_folder, draft_folder = tiny_pair
     config = SpecBenchConfig(str(target_folder), str(draft_folder), 12, [1, 8], ["resident"])
     config.gpu_mem, config.modes = _disk_cold_gpu_mem(config), ["resident", "disk-cold"]
-    report = run_spec_bench(config, SamplingConfig(), PROMPTS)
+    lines = []
+    report = run_spec_bench(config, SamplingConfig(), PROMPTS, on_status=lines.append)
+    finished = [line for line in lines if "tok/pass" in line]      # a cut-off run keeps these rows
+    assert len(finished) == 2 * 2 * 4 and all(line.endswith(", same") and "ms/step draft" in line for line in finished)
     assert report["target"] == "target" and report["draft"] == "draft" and report["prompts"] == 2
     assert report["dtype"] == "fp32" and report["modes"]["disk-cold"]["layers"]["device"] == 0
     for mode in report["modes"].values():
