@@ -18,7 +18,9 @@ from .gguf_names import HF_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, check_ar
 from .gguf_tensors import TensorJob, plan_tensors, storage_dtype, write_shards
 
 FORMAT_NAME = "gguf-import"
-FORMAT_VERSION = 2  # 2: streamed conversion, sharded, bf16 above 1B parameters
+FORMAT_VERSION = 3  # 2: streamed conversion, sharded, bf16 above 1B parameters; 3: special tokens from metadata
+SPECIAL_TOKEN_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                     "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
 DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
@@ -99,6 +101,10 @@ def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
         raise ValueError(f"{gguf_path}: transformers reads it as model type {config.model_type!r}, "
                          f"which is not supported (supported: {', '.join(HF_ARCHITECTURES)})")
     config.architectures = [HF_ARCHITECTURES[config.model_type]]
+    specials = special_tokens(gguf_path)
+    for name, (token_id, _) in specials.items():
+        if name != "unk":
+            setattr(config, f"{name}_token_id", token_id)
     raw = config.to_dict()
     raw.pop("quantization_config", None)
     raw["dtype"] = str(dtype).removeprefix("torch.")
@@ -106,4 +112,24 @@ def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
         raw["torch_dtype"] = raw["dtype"]
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    for name, (_, text) in specials.items():
+        setattr(tokenizer, f"{name}_token", text)
+    tokenizer.save_pretrained(out)
+
+
+def special_tokens(gguf_path: Path) -> dict[str, tuple[int, str]]:
+    """"bos"/"eos"/"unk"/"pad" -> (id, text) as the GGUF metadata names them. transformers' GGUF
+    tokenizer reader is not trusted with these: 5.17 made '<|im_start|>' (the bos) the default model's
+    eos, so the shipped draft, read with the true eos, was refused as another tokenizer."""
+    reader = GGUFReader(gguf_path)
+    field = reader.get_field("tokenizer.ggml.tokens")
+    if field is None:
+        return {}
+    tokens = field.contents()
+    found = {}
+    for name, key in SPECIAL_TOKEN_IDS.items():
+        token_id = reader.get_field(key)
+        if token_id is not None and 0 <= int(token_id.contents()) < len(tokens):
+            found[name] = (int(token_id.contents()), tokens[int(token_id.contents())])
+    return found

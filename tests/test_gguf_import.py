@@ -225,6 +225,25 @@ def _saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
 
+def test_special_tokens_come_from_the_gguf_metadata_not_transformers_reader(synthetic, cache, monkeypatch):
+    """transformers 5.17's GGUF tokenizer reader made the bos the eos (seen on the default model); the
+    import must write the ids and texts the file names, whatever the installed transformers does."""
+    import transformers
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def like_5_17(*args, **kwargs):
+        tokenizer = load(*args, **kwargs)
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", like_5_17)
+    folder = import_gguf(synthetic[next(iter(CASES))])
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 1
+
+
 def test_bf16_above_the_parameter_threshold(synthetic, cache, monkeypatch):
     monkeypatch.setattr(gguf_tensors, "MAX_FP32_PARAMS", 1000)
     statuses = []
