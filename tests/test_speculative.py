@@ -207,3 +207,23 @@ def test_tree_growth_reads_the_draft_device_twice_per_round(pairs, monkeypatch):
     assert tree.num_nodes == 64 and rounds > 3
     assert DeviceOutput.reads == 2 * rounds, (DeviceOutput.reads, rounds)
     assert not isinstance(tree.tokens, DeviceOutput) and tree.tokens.device.type == "cpu"
+
+
+def test_a_speculative_step_reads_the_target_device_once(pairs, monkeypatch):
+    """Verification reads the target's choices back once per step; acceptance and commits run on the
+    host copy of the tree."""
+    from offload.model import ForwardOutput
+    target_folder, close, _ = pairs(0)
+    target, draft = load_pair(target_folder, close)
+    forward, passes = target.model.forward, []
+
+    def on_device(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        passes.append(1)
+        return ForwardOutput(out.logits.as_subclass(DeviceOutput), out.hidden)
+
+    monkeypatch.setattr(target.model, "forward", on_device)
+    DeviceOutput.reads = 0
+    _, result = decode(target, draft, PROMPTS[0], 16, max_new=24, stop_ids=set())
+    assert result.stats.tokens_per_pass > 1.5
+    assert DeviceOutput.reads == len(passes), (DeviceOutput.reads, len(passes))   # the prefill's first token too
