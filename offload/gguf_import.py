@@ -18,7 +18,7 @@ from .gguf_names import HF_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, check_ar
 from .gguf_tensors import TensorJob, plan_tensors, storage_dtype, write_shards
 
 FORMAT_NAME = "gguf-import"
-FORMAT_VERSION = 3  # 2: streamed conversion, sharded, bf16 above 1B parameters; 3: special tokens from metadata
+FORMAT_VERSION = 4  # 2: streamed conversion, sharded, bf16 above 1B parameters; 3-4: special tokens from metadata only
 SPECIAL_TOKEN_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
                      "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
 DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -113,8 +113,9 @@ def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    for name, (_, text) in specials.items():
-        setattr(tokenizer, f"{name}_token", text)
+    for name in SPECIAL_TOKEN_IDS:  # one the file does not name stays unset, whatever the reader invented
+        setattr(tokenizer, f"{name}_token", specials[name][1] if name in specials else None)
+    tokenizer.clean_up_tokenization_spaces = False  # llama.cpp decodes without it; 5.17's reader turned it on
     tokenizer.save_pretrained(out)
 
 

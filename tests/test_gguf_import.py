@@ -22,6 +22,7 @@ from offload import gguf_tensors
 from offload.gguf_import import import_gguf, read_tensor_plan
 from offload.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.safetensors_io import SafetensorsStreamWriter, write_safetensors
+from offload.tokenizer import Tokenizer
 from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,15 +232,18 @@ def test_special_tokens_come_from_the_gguf_metadata_not_transformers_reader(synt
     import transformers
     load = transformers.AutoTokenizer.from_pretrained
 
-    def like_5_17(*args, **kwargs):
+    def like_5_17(*args, **kwargs):  # its llama reader names the bos as eos, its qwen2 one invents unk and pad
         tokenizer = load(*args, **kwargs)
-        tokenizer.eos_token = tokenizer.pad_token = "<|im_start|>"
+        tokenizer.eos_token = "<|im_start|>"
+        tokenizer.unk_token = tokenizer.pad_token = "<|endoftext|>"
+        tokenizer.clean_up_tokenization_spaces = True
         return tokenizer
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", like_5_17)
-    folder = import_gguf(synthetic[next(iter(CASES))])
+    folder = import_gguf(synthetic[next(iter(CASES))])  # names bos and eos only
+    assert Tokenizer(folder).special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer_config.get("clean_up_tokenization_spaces", False) is False
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
     assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 1
 
@@ -351,13 +355,35 @@ def test_peak_memory_stays_near_one_chunk(tmp_path, synthetic, monkeypatch):
     assert growth < bound
 
 
+@pytest.fixture(scope="module")
+def default_import(tmp_path_factory) -> tuple[Path, Path]:
+    """(the embedded default model's GGUF, its import into a fresh cache)."""
+    from offload.sources import default_model_gguf
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECSTREAM_CACHE", str(tmp_path_factory.mktemp("cache")))
+        path = default_model_gguf()
+        return path, import_gguf(path)
+
+
 @pytest.mark.e2e
-def test_default_model_matches_transformers_gguf_loading(cache):
+def test_default_model_shares_the_shipped_drafts_tokenizer(default_import):
+    """With any transformers (under 5.17 its eos was '<|im_start|>' and every command refused the draft):
+    the special tokens and chat template the GGUF names, and the tokenizer the shipped draft was built on."""
+    from spec.draft import default_draft_for
+    from spec.tokenizer_match import check_tokenizers_match
+    path, folder = default_import
+    check_tokenizers_match(folder, default_draft_for(None))
+    tokenizer = Tokenizer(folder)
+    assert tokenizer.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                        "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    assert tokenizer.chat_template == gguf.GGUFReader(path).get_field("tokenizer.chat_template").contents()
+
+
+@pytest.mark.e2e
+def test_default_model_matches_transformers_gguf_loading(default_import):
     pytest.importorskip("accelerate")  # transformers' GGUF model loading needs it; ours does not
     transformers = pytest.importorskip("transformers")
-    from offload.sources import default_model_gguf
-    path = default_model_gguf()
-    folder = import_gguf(path)
+    path, folder = default_import
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     expected = _saved_state(model)
     got = read_folder(folder)
