@@ -179,15 +179,16 @@ class TreeGrower:
         return logq
 
     def _mask(self, pool: _Pool, chosen: Tensor) -> Tensor:
-        """[W, slots + W] bool: the committed sequence, each chosen node's expanded ancestors, itself."""
-        width, num_slots = chosen.numel(), self.cache.num_slots
-        mask = torch.zeros(width, num_slots + width, dtype=torch.bool)
-        mask[:, :self.cache.length] = True
+        """[W, slots + W] bool on the draft's device: the committed sequence, each chosen node's expanded
+        ancestors, itself. Only the part over the tree's slots is built on the host and sent."""
+        width, committed = chosen.numel(), self.cache.length
+        tree_part = torch.zeros(width, self.cache.num_slots - committed + width, dtype=torch.bool)
         rows = torch.arange(width)
-        mask[rows, num_slots + rows] = True
+        tree_part[rows, tree_part.shape[1] - width + rows] = True
         ancestor = pool.parents[chosen]
         while bool((ancestor > 0).any()):        # node 0, the root, is in the committed part
             inner = ancestor > 0
-            mask[rows[inner], pool.slots[ancestor[inner]]] = True
+            tree_part[rows[inner], pool.slots[ancestor[inner]] - committed] = True
             ancestor = torch.where(inner, pool.parents[ancestor.clamp(min=0)], ancestor)
-        return mask
+        device = self.draft.model.device
+        return torch.cat((torch.ones(width, committed, dtype=torch.bool, device=device), tree_part.to(device)), dim=1)
