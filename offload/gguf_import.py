@@ -124,13 +124,6 @@ def special_tokens(gguf_path: Path) -> dict[str, tuple[int, str]]:
     tokenizer reader is not trusted with these: 5.17 made '<|im_start|>' (the bos) the default model's
     eos, so the shipped draft, read with the true eos, was refused as another tokenizer."""
     reader = GGUFReader(gguf_path)
-    field = reader.get_field("tokenizer.ggml.tokens")
-    if field is None:
-        return {}
-    tokens = field.contents()
-    found = {}
-    for name, key in SPECIAL_TOKEN_IDS.items():
-        token_id = reader.get_field(key)
-        if token_id is not None and 0 <= int(token_id.contents()) < len(tokens):
-            found[name] = (int(token_id.contents()), tokens[int(token_id.contents())])
-    return found
+    tokens = _field(reader, "tokenizer.ggml.tokens", gguf_path, default=[])
+    ids = {name: int(_field(reader, key, gguf_path, default=-1)) for name, key in SPECIAL_TOKEN_IDS.items()}
+    return {name: (token_id, tokens[token_id]) for name, token_id in ids.items() if 0 <= token_id < len(tokens)}

@@ -8,8 +8,8 @@ only rises: growth stops when no open node could have a child that enters, or at
 
 The tree's bookkeeping lives on the host whatever the draft's device: it is a few thousand small
 integers, and on a GPU every read of a device tensor (a boolean index, an int(), a tolist()) waits for
-all queued work. A round reads the device once (its children's top log-probabilities) and sends the
-chosen nodes' tokens, positions and mask down.
+all queued work. A round reads back only its children's top log-probabilities and their ids, and
+sends the chosen nodes' tokens, positions and mask down.
 """
 from __future__ import annotations
 
