@@ -19,6 +19,7 @@ EXIT_USER_ERROR, EXIT_SKIPPED = 2, 3
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    from offload.devices import DEVICE_NAMES, DTYPE_CHOICES
     group = parser.add_argument_group("model")
     group.add_argument("--target", default=None,
                        help="target model: HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -35,8 +36,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--budget", default="auto",
                        help="tree tokens verified per target pass, 1-8192, or auto: sized from the measured pass "
                             "time and recent acceptance (default: auto)")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="compute device (default: auto)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+    group.add_argument("--device", default="auto", choices=DEVICE_NAMES, help="compute device (default: auto)")
+    group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="compute dtype (default: auto = fp32 on CPU, bf16 on CUDA)")
     group.add_argument("--context", type=int, default=4096, help="KV cache size in tokens (default: 4096)")
     group.add_argument("--gpu-mem", default=None,

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload import LoadOptions, load_model  # noqa: E402
+from offload.devices import DEVICE_NAMES, DTYPE_CHOICES  # noqa: E402
 from spec.distill import DraftBenchConfig, bench_draft  # noqa: E402
 from spec.draft import default_draft_for, load_draft  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
@@ -29,8 +30,8 @@ def main() -> int:
     parser.add_argument("--max-prompts", type=int, default=None, help="first N prompts of each file")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--device", default="auto", choices=DEVICE_NAMES)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:

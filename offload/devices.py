@@ -9,6 +9,7 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 DEVICE_NAMES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", *DTYPES)      # what every --dtype flag accepts
 
 
 def check_names(device: str, dtype: str) -> None:

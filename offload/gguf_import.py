@@ -45,14 +45,15 @@ def import_gguf(gguf_path: str | Path, on_status: Callable[[str], None] | None =
     folder = gguf_cache_dir(gguf_path)
     if (folder / "import.json").exists():
         return folder
-    jobs, skipped = read_tensor_plan(gguf_path)
+    reader = open_gguf(gguf_path)
+    jobs, skipped = read_tensor_plan(reader, gguf_path)
     dtype = storage_dtype(jobs)
     if on_status:
         on_status(f"converting {gguf_path.name} to safetensors ({DTYPE_LABELS[dtype]}, once) in {folder}")
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_metadata(gguf_path, tmp, dtype)
+    write_metadata(reader, gguf_path, tmp, dtype)
     write_shards(gguf_path, jobs, tmp, dtype, on_progress)
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": str(gguf_path),
             "dtype": str(dtype).removeprefix("torch."), "skipped_tensors": skipped}
@@ -62,12 +63,16 @@ def import_gguf(gguf_path: str | Path, on_status: Callable[[str], None] | None =
     return folder
 
 
-def read_tensor_plan(gguf_path: Path) -> tuple[list[TensorJob], list[str]]:
-    """The tensors to convert (and the names of those skipped), from the header only."""
+def open_gguf(gguf_path: Path) -> GGUFReader:
+    """The file's parsed header (tensor data stays memory-mapped, unread)."""
     try:
-        reader = GGUFReader(gguf_path)
+        return GGUFReader(gguf_path)
     except (ValueError, OSError) as err:
         raise ValueError(f"{gguf_path} is not a readable GGUF file ({err})") from None
+
+
+def read_tensor_plan(reader: GGUFReader, gguf_path: Path) -> tuple[list[TensorJob], list[str]]:
+    """The tensors to convert (and the names of those skipped), from the header only."""
     architecture = _field(reader, "general.architecture", gguf_path)
     check_architecture(architecture, gguf_path)
     num_splits = _field(reader, "split.count", gguf_path, default=1)
@@ -90,7 +95,7 @@ def _field(reader: GGUFReader, key: str, path: Path, default=None):
     return field.contents()
 
 
-def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
+def write_metadata(reader: GGUFReader, gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     """config.json, generation_config.json and the tokenizer files, from the GGUF metadata."""
     import transformers  # heavy; only needed once per GGUF file
     transformers.logging.set_verbosity_error()
@@ -101,7 +106,7 @@ def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
         raise ValueError(f"{gguf_path}: transformers reads it as model type {config.model_type!r}, "
                          f"which is not supported (supported: {', '.join(HF_ARCHITECTURES)})")
     config.architectures = [HF_ARCHITECTURES[config.model_type]]
-    specials = special_tokens(gguf_path)
+    specials = special_tokens(reader, gguf_path)
     for name, (token_id, _) in specials.items():
         if name != "unk":
             setattr(config, f"{name}_token_id", token_id)
@@ -119,11 +124,10 @@ def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(out)
 
 
-def special_tokens(gguf_path: Path) -> dict[str, tuple[int, str]]:
+def special_tokens(reader: GGUFReader, gguf_path: Path) -> dict[str, tuple[int, str]]:
     """"bos"/"eos"/"unk"/"pad" -> (id, text) as the GGUF metadata names them. transformers' GGUF
     tokenizer reader is not trusted with these: 5.17 made '<|im_start|>' (the bos) the default model's
     eos, so the shipped draft, read with the true eos, was refused as another tokenizer."""
-    reader = GGUFReader(gguf_path)
     tokens = _field(reader, "tokenizer.ggml.tokens", gguf_path, default=[])
     ids = {name: int(_field(reader, key, gguf_path, default=-1)) for name, key in SPECIAL_TOKEN_IDS.items()}
     return {name: (token_id, tokens[token_id]) for name, token_id in ids.items() if 0 <= token_id < len(tokens)}

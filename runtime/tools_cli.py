@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from offload.devices import DEVICE_NAMES, DTYPE_CHOICES, DTYPES
+
 
 def add_tool_parsers(commands) -> None:
     from runtime.judge_cli import add_judge_parsers
@@ -26,8 +28,8 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--ram", default=None, help="host budget, e.g. 64GiB (default: available RAM - margin)")
     plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
     plan.add_argument("--context", type=int, default=4096, help="context length, tokens (default: 4096)")
-    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default: bf16)")
-    plan.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
+    plan.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="weight dtype (default: bf16)")
+    plan.add_argument("--device", default="auto", choices=DEVICE_NAMES, help="device (default: auto)")
     plan.add_argument("--ring", type=int, default=2, help="layer buffers in the prefetch ring (default: 2)")
     plan.add_argument("--link-gbps", type=float, default=None,
                       help="host->device GB/s for the prediction (default: measured now)")
@@ -68,8 +70,8 @@ def _add_distill_parser(commands) -> None:
     distill.add_argument("--revocab", action="store_true",
                          help="with --resume: re-choose the output vocabulary on the grown corpus, keeping "
                               "trained rows (default: off)")
-    distill.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
-    distill.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+    distill.add_argument("--device", default="auto", choices=DEVICE_NAMES, help="device (default: auto)")
+    distill.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                          help="the target's dtype while collecting answers (default: auto)")
 
 
@@ -91,8 +93,8 @@ def _add_bench_parsers(benches) -> None:
     stream.add_argument("--gpu-mem", required=True, help="device budget that forces streaming, e.g. 450MiB")
     stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
     stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
-    stream.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: auto)")
-    stream.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="(default: auto)")
+    stream.add_argument("--device", default="auto", choices=DEVICE_NAMES, help="device (default: auto)")
+    stream.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="(default: auto)")
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
     stream.add_argument("--json", action="store_true", help="print only JSON")
     _add_bench_spec_parser(benches)
@@ -118,7 +120,7 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--gpu-mem", default=None,
                       help="disk-cold device budget, e.g. 700MiB (default: what never streams + the ring + "
                            "3 layers)")
-    spec.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+    spec.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                       help="target and draft dtype (default: auto = bf16 on CUDA, fp32 on CPU)")
     spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
     spec.add_argument("--json", action="store_true", help="print only JSON")

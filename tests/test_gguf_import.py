@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from offload import gguf_tensors
-from offload.gguf_import import import_gguf, read_tensor_plan
+from offload.gguf_import import import_gguf, open_gguf, read_tensor_plan
 from offload.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.safetensors_io import SafetensorsStreamWriter, write_safetensors
 from offload.tokenizer import Tokenizer
@@ -317,7 +317,7 @@ import sys
 sys.modules["accelerate"] = None  # the conversion must not need accelerate
 import json
 from pathlib import Path
-from offload.gguf_import import import_gguf, read_tensor_plan
+from offload.gguf_import import import_gguf, open_gguf, read_tensor_plan
 
 def status(key):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
@@ -337,7 +337,7 @@ def test_peak_memory_stays_near_one_chunk(tmp_path, synthetic, monkeypatch):
     spec = Spec(hidden=512, ff=1536, layers=4, heads=8, kv_heads=2, rows=131072, embed_type=Q.F16,
                 head_type=Q.Q4_0)
     big = write_gguf(tmp_path / "big.gguf", spec)
-    jobs, _ = read_tensor_plan(big)
+    jobs, _ = read_tensor_plan(open_gguf(big), big)
     total = sum(job.numel for job in jobs) * 4
     largest = max(job.numel for job in jobs) * 4
     bound = 3 * min(largest, gguf_tensors.MAX_CHUNK_BYTES) + (64 << 20)
