@@ -11,6 +11,7 @@ import torch
 from .budgets import default_device_budget, default_host_budget
 from .config import ModelConfig
 from .devices import check_names, choose_device, choose_dtype
+from .host_memory import keep_freed_host_memory
 from .model import DecoderModel
 from .packing import LayerLayout
 from .planner import Plan, PlanRequest, make_plan, streaming_budget
@@ -98,6 +99,7 @@ class Engine:
 
 def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     """Device and dtype chosen once here; the planner places the layers; the ring streams them."""
+    keep_freed_host_memory()
     config = source.config
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)

@@ -103,7 +103,7 @@ def dequantize_seconds(model: LoadedModel, repeats: int = 5) -> float:
         start = time.perf_counter()
         decoded = source.decode_layer(0, stored, model.model.dtype)
         for name in MATRICES:
-            decoded[name].matrix.dequantize(model.model.dtype, permuted=True)
+            decoded[name].prepare()
         model.model.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

@@ -23,7 +23,7 @@ from offload.config import ModelConfig
 from offload.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
 from offload.weights import HF_GLOBAL_NAMES
-from .spqr_format import SpqrLinear, SpqrMatrix
+from .spqr_format import SpqrMatrix, packed_linears
 
 FORMAT_NAME, FORMAT_VERSION = "specstream-spqr", 1
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -151,7 +151,7 @@ class SpqrSource:
     def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict:
         inner = self.inner[index]
         views = inner.views(stored["packed"][:inner.num_bytes])
-        weights = {name: SpqrLinear(self._matrix(views, name), dtype) for name in MATRICES}
+        weights = packed_linears({name: self._matrix(views, name) for name in MATRICES}, dtype)
         rest = {name: t.to(dtype) for name, t in views.items() if "." not in name}
         return {**rest, **weights}
 

@@ -24,6 +24,14 @@ def packed_bytes(num_codes: int, bits: int) -> int:
     return -(-num_codes // codes) * nbytes
 
 
+def packed_codes(num_bytes: int, bits: int) -> int:
+    """How many codes `num_bytes` of whole packing groups hold (padding codes included)."""
+    per_group, nbytes = _group(bits)
+    if num_bytes % nbytes:
+        raise ValueError(f"{num_bytes} bytes are not whole groups of {nbytes} for {bits}-bit codes")
+    return num_bytes // nbytes * per_group
+
+
 def pack(codes: Tensor, bits: int) -> Tensor:
     """codes [N] integers in [0, 2^bits) -> [packed_bytes(N, bits)] uint8."""
     per_group, nbytes = _group(bits)

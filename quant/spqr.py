@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from .spqr_format import STATS_RUN, SpqrMatrix, _second_level, pack_matrix, quantize_stats
-from .packbits import pack
 
 FULL_PRECISION_STATS = 16      # stats_bits meaning "group scale and zero kept in fp16" (plain GPTQ)
 
@@ -154,10 +153,10 @@ def _fit_group(group: Tensor, d: Tensor, index: int, threshold: float, state: _S
     state.scale_codes[:, index], state.zero_codes[:, index] = scale_codes[:, 0].float(), zero_codes[:, 0].float()
     # The stored statistics, decoded exactly as the runtime decodes them, are the ones the codes use.
     out = group.shape[0]
-    state.group_scale = _second_level(pack(scale_codes, config.stats_bits), params[:, 0:1], params[:, 1:2], out, 1,
-                                      config.stats_bits)[:, 0]
-    state.group_zero = _second_level(pack(zero_codes, config.stats_bits), params[:, 2:3], params[:, 3:4], out, 1,
-                                     config.stats_bits)[:, 0]
+    state.group_scale = _second_level(scale_codes.reshape(-1).float(), params[:, 0:1], params[:, 1:2],
+                                      out, 1)[:, 0]
+    state.group_zero = _second_level(zero_codes.reshape(-1).float(), params[:, 2:3], params[:, 3:4],
+                                     out, 1)[:, 0]
 
 
 def _leave_one_out_error(group: Tensor, d: Tensor, maxq: int) -> Tensor:

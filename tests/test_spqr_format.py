@@ -91,6 +91,25 @@ def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outli
         SpqrMatrix.from_tensors(parts, "m", shape, bits, groupsize, stats_bits)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_a_layers_statistics_decoded_together_equal_each_matrix_alone(bits):
+    """decode_statistics unpacks every matrix's statistics in one call; rows x groups not a multiple of 8
+    (20 x 1) leave padding codes inside the concatenated stream, which must not shift the next matrix."""
+    from quant.spqr_format import decode_statistics, packed_linears
+    layer = {f"m{i}": random_matrix(bits, shape, outliers, seed=i)
+             for i, (shape, outliers) in enumerate((((20, 16), 1), ((48, 64), 0), ((16, 32), 13), ((20, 16), 0)))}
+    together = decode_statistics([matrix for matrix, _ in layer.values()])
+    for (matrix, _), (scale, zero) in zip(layer.values(), together):
+        alone_scale, alone_zero = decode_statistics([matrix])[0]
+        assert scale.shape == (matrix.shape[0], matrix.num_groups)
+        assert torch.equal(scale, alone_scale) and torch.equal(zero, alone_zero)
+    x = torch.randn(2, 64)
+    for name, linear in packed_linears({name: matrix for name, (matrix, _) in layer.items()}, torch.float32).items():
+        expected = layer[name][1].float()
+        inputs = x[:, :expected.shape[1]]
+        torch.testing.assert_close(linear.matmul(inputs), inputs @ expected.T, rtol=1e-5, atol=1e-5)
+
+
 def check_fused_kernel(device: str = "cpu") -> None:
     """The Triton kernel (on `device`; on the CPU only under TRITON_INTERPRET=1) against the dense
     reference, in fp32 and bf16, over bits, shapes (rows not a multiple of 16 included) and outliers."""
@@ -180,13 +199,14 @@ def test_bad_settings_are_refused(bad):
 def test_second_level_statistics_of_a_run_without_range_decode_exactly():
     """Sixteen rows with the same zero point (common at 3 bits) once made the run's zero overflow fp16
     (-4 / 1e-8), which decoded to NaN and spread through GPTQ's error feedback."""
-    from quant.packbits import pack
+    from quant.packbits import pack, unpack
     from quant.spqr_format import STATS_RUN, _second_level, quantize_stats
     values = torch.cat((torch.full((STATS_RUN, 1), 4.0), torch.arange(STATS_RUN, dtype=torch.float32)[:, None] % 8,
                         torch.full((STATS_RUN, 1), 0.0123), torch.full((STATS_RUN, 1), -2.5)))     # [4 runs, 1]
     codes, scale, zero = quantize_stats(values, 3)
     assert torch.isfinite(scale).all() and torch.isfinite(zero).all() and (zero.abs() <= 1024).all()
-    decoded = _second_level(pack(codes, 3), scale.half(), zero.half(), values.shape[0], 1, 3)
+    decoded = _second_level(unpack(pack(codes, 3), 3, codes.numel(), torch.float32), scale.half(), zero.half(),
+                            values.shape[0], 1)
     torch.testing.assert_close(decoded[:2 * STATS_RUN], values[:2 * STATS_RUN], rtol=0, atol=0)
     torch.testing.assert_close(decoded, values, rtol=1e-3, atol=0)
 
