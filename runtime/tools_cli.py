@@ -64,6 +64,9 @@ def _add_distill_parser(commands) -> None:
                               "vocabulary up to --vocab-top (default: start from the target's layers)")
     distill.add_argument("--head-only", action="store_true",
                          help="with --init-draft: train only the head rows and biases (default: off)")
+    distill.add_argument("--batch-size", type=int, default=64,
+                         help="target answers generated together while collecting; a GPU takes 256+ (default: 64)")
+    distill.add_argument("--batch-tokens", type=int, default=4096, help="training tokens per step (default: 4096)")
     distill.add_argument("--steps", type=int, default=3000, help="training steps (default: 3000)")
     distill.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
     distill.add_argument("--resume", action="store_true", help="continue the run in --out (default: off)")
@@ -158,8 +161,11 @@ def cmd_distill(args, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from spec.distill import DistillConfig, distill
+    from spec.distill.generate import GenerationConfig
     config = DistillConfig(args.target, args.out, args.kind, args.layers, args.reuse_layers, args.vocab_top,
-                           list(args.data), num_steps=args.steps, resume=args.resume, revocab=args.revocab,
+                           list(args.data), num_steps=args.steps, batch_tokens=args.batch_tokens,
+                           generation=GenerationConfig(batch_size=args.batch_size), resume=args.resume,
+                           revocab=args.revocab,
                            device=args.device, dtype=args.dtype, num_template_prompts=args.template_prompts,
                            num_self_prompts=args.self_prompts, max_gsm8k_prompts=args.gsm8k_prompts,
                            num_sampled_prompts=args.sampled_prompts, init_draft=args.init_draft,

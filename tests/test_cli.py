@@ -79,6 +79,8 @@ def test_run_streams_text_and_raw_mode_skips_template():
     (["run", "hi", "--top-p", "0"], "top-p"),
     (["batch", "/no/such/file.jsonl", "-o", "/tmp/x.jsonl"], "batch input not found"),
     (["bench", "stream", "--gpu-mem", "64GiB", "--tokens", "1"], "leaves no decoder layer on the ram tier"),
+    (["distill", "--out", "/tmp/never-written", "--batch-size", "0"], "batch_size must be positive"),
+    (["distill", "--out", "/tmp/never-written", "--batch-tokens", "0"], "batch tokens > 0"),
 ])
 def test_user_errors_are_one_line_without_traceback(args, fragment):
     result = cli(*args)

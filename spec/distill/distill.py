@@ -77,6 +77,9 @@ class DistillConfig:
             raise ValueError("prompt counts must be >= 0")
         if self.revocab and not self.resume:
             raise ValueError("--revocab re-chooses the vocabulary of a run being resumed: add --resume")
+        if self.num_steps < 0 or self.batch_tokens <= 0 or self.learning_rate <= 0:
+            raise ValueError(f"need steps >= 0, batch tokens > 0 and a positive learning rate, got "
+                             f"{self.num_steps}, {self.batch_tokens}, {self.learning_rate}")
         if self.num_layers <= 0 or self.vocab_top < 16:
             raise ValueError(f"layers must be > 0 and vocab-top >= 16, got {self.num_layers}, {self.vocab_top}")
         if self.head_only and self.init_draft is None:
