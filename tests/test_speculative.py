@@ -227,3 +227,21 @@ def test_a_speculative_step_reads_the_target_device_once(pairs, monkeypatch):
     _, result = decode(target, draft, PROMPTS[0], 16, max_new=24, stop_ids=set())
     assert result.stats.tokens_per_pass > 1.5
     assert DeviceOutput.reads == len(passes), (DeviceOutput.reads, len(passes))   # the prefill's first token too
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_tree_simulation_counts_the_passes_real_speculation_takes(pairs, seed):
+    """bench/tree_simulation.py grows the same trees against the target's greedy answer without target
+    passes; its pass count must equal real greedy speculation's, budget by budget."""
+    from bench.tree_simulation import simulate
+    target_folder, close, _ = pairs(seed)
+    target, draft = load_pair(target_folder, close)
+    counts = []
+    for prompt in PROMPTS:
+        _, reference = decode(target, None, prompt, 1, max_new=24)
+        for budget in (1, 2, 5, 16, 64):
+            _, result = decode(target, draft, prompt, budget, max_new=24)
+            passes = simulate(draft, prompt, reference.token_ids, budget, 24, CONTEXT)
+            assert passes == result.stats.num_steps, (prompt, budget)
+            counts.append(passes)
+    assert len(set(counts)) > 2      # the budgets made a difference: the count is not trivially fixed
