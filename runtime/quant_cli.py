@@ -10,7 +10,8 @@ def add_quant_parsers(commands) -> None:
     quantize.add_argument("--target", default=None, help="model to quantize (default: embedded model)")
     quantize.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     quantize.add_argument("--bits", type=int, default=4, help="bits per weight: 3 or 4 (default: 4)")
-    quantize.add_argument("--groupsize", type=int, default=16, help="input columns per group (default: 16)")
+    quantize.add_argument("--groupsize", type=int, default=16,
+                          help="input columns per group; 32 cuts w4 to ~4.36 bits (default: 16)")
     quantize.add_argument("--stats-bits", type=int, default=3, help="bits of the group statistics (default: 3)")
     quantize.add_argument("--outlier-threshold", type=float, default=None,
                           help="SpQR's tau; 'inf' keeps no outliers (default: 8 at 4 bits, 3 at 3 bits)")

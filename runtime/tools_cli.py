@@ -34,8 +34,9 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument("--link-gbps", type=float, default=None,
                       help="host->device GB/s for the prediction (default: measured now)")
     plan.add_argument("--disk-gbps", type=float, default=None, help="disk GB/s for the prediction (default: measured now)")
-    plan.add_argument("--weights", default=None, choices=["spqr-w3", "spqr-w4"],
-                      help="plan packed SpQR decoder layers (expected bits per parameter) (default: --dtype)")
+    plan.add_argument("--weights", default=None, choices=["spqr-w3", "spqr-w4", "spqr-w4-g32"],
+                      help="plan packed SpQR decoder layers (expected bits per parameter; -g32: groups of 32) "
+                           "(default: --dtype)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -129,10 +130,16 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--json", action="store_true", help="print only JSON")
 
 
+def _planned_bits(weights: str) -> float:
+    """"spqr-w4" / "spqr-w4-g32" -> the expected bits per parameter of that SpQR configuration."""
+    from quant.spqr_format import expected_bits_per_param
+    bits, _, groupsize = weights.removeprefix("spqr-w").partition("-g")
+    return expected_bits_per_param(int(bits), int(groupsize or 16))
+
+
 def cmd_plan(args, console) -> int:
     from offload.plan_report import build_plan, measured_bandwidth
-    from quant.spqr_format import expected_bits_per_param
-    weight_bits = expected_bits_per_param(int(args.weights[-1])) if args.weights else None
+    weight_bits = _planned_bits(args.weights) if args.weights else None
     plan, bandwidth = build_plan(args, weight_bits), measured_bandwidth(args)
     seconds = plan.predicted_transfer_seconds(bandwidth)
     if args.json:

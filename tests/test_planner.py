@@ -95,6 +95,16 @@ def test_cli_plan_prints_table_and_json():
     assert data["predicted_transfer_seconds_per_pass"] > 10
 
 
+def test_cli_plan_with_spqr_weights_packs_more_layers_at_groups_of_32():
+    args = ["plan", "--target", str(CONFIGS / "llama-3.1-70b"), "--gpu-mem", "24GiB", "--ram", "64GiB",
+            "--device", "cuda", "--link-gbps", "25", "--disk-gbps", "3", "--json"]
+    plans = {w: json.loads(_cli(*args, "--weights", w).stdout) for w in ("spqr-w4", "spqr-w4-g32")}
+    w4, g32 = plans["spqr-w4"], plans["spqr-w4-g32"]
+    assert w4["layers"]["disk"] == g32["layers"]["disk"] == 0
+    assert g32["layers"]["device"] > w4["layers"]["device"]
+    assert g32["predicted_transfer_seconds_per_pass"] < w4["predicted_transfer_seconds_per_pass"] < 1.5
+
+
 def test_cli_plan_too_small_is_one_line():
     result = _cli("plan", "--target", str(CONFIGS / "qwen2.5-72b"), "--gpu-mem", "4GiB", "--ram", "64GiB",
                   "--device", "cuda", "--link-gbps", "25", "--disk-gbps", "3")
