@@ -28,6 +28,8 @@ from spec import DecodeConfig, Decoder, SamplingConfig, Speculator, default_draf
 from spec.draft import Draft  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
 from spec.grow import MAX_DEPTH, GrowthConfig  # noqa: E402
+from spec.tree import Tree  # noqa: E402
+from spec.verify import accepted_path  # noqa: E402
 
 PROMPT_FILES = [ROOT / "tests/data/chat_prompts.jsonl", ROOT / "bench/data/mt_bench/question.jsonl"]
 
@@ -52,7 +54,7 @@ def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int
         remaining = max_new_tokens - (position + 1)
         tree, slots = speculator.propose(committed, answer[position],
                                          GrowthConfig(budget, max_depth=min(MAX_DEPTH, remaining - 1)))
-        path = _followed_path(tree.tokens.tolist(), tree.parents.tolist(), answer, position)
+        path = _followed_path(tree, answer, position)
         speculator.accept(tree, slots, path)
         committed += [answer[position + i] for i in range(len(path))]
         position += len(path)            # the accepted nodes and the target's token after them
@@ -60,18 +62,13 @@ def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int
     return passes
 
 
-def _followed_path(tokens: list[int], parents: list[int], answer: list[int], position: int) -> list[int]:
-    """Node indices from the root along children that continue `answer` after answer[position] (of equal
-    siblings the earlier, as verification picks)."""
-    child: dict[tuple[int, int], int] = {}
-    for node, (parent, token) in enumerate(zip(parents, tokens)):
-        if parent >= 0:
-            child.setdefault((parent, token), node)
-    path, node = [0], 0
-    while position + len(path) < len(answer) and (node, answer[position + len(path)]) in child:
-        node = child[(node, answer[position + len(path)])]
-        path.append(node)
-    return path
+def _followed_path(tree: Tree, answer: list[int], position: int) -> list[int]:
+    """The path verification accepts when the target's choice after each node is the answer's next token:
+    a node at depth d is right when it holds answer[position + d]."""
+    depths = tree.depths.tolist()
+    right = [d == 0 or (position + d < len(answer) and token == answer[position + d])
+             for d, token in zip(depths, tree.tokens.tolist())]
+    return accepted_path(tree, torch.tensor(right))
 
 
 def main() -> int:
