@@ -22,6 +22,7 @@ from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, 
 from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
 from spec.draft import default_draft_for, load_any_draft
 from .auto_budget import _pass_seconds, auto_budget
+from .bench_journal import BenchJournal, result_from_dict, result_to_dict
 from .hf_draft import bench_assisted
 from .speculation import estimated_draft_bytes
 
@@ -132,8 +133,9 @@ def open_mode(config: SpecBenchConfig, mode: str, on_status: Status) -> ModeRun:
 
 
 def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[list[int]], sampling: SamplingConfig,
-               on_status: Status) -> tuple[dict, list[list[int]]]:
-    """-> (the mode's report, its autoregressive tokens per prompt)."""
+               on_status: Status, journal: BenchJournal) -> tuple[dict, list[list[int]]]:
+    """-> (the mode's report, its autoregressive tokens per prompt). Rows in `journal` are not run again
+    (the auto row's chooser then starts the remaining prompts without what it learnt on those)."""
     run = open_mode(config, mode, on_status)
     rows = ["autoregressive", *config.budgets, "auto"]
     for row in ("autoregressive", config.max_budget):
@@ -142,7 +144,10 @@ def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[list[int]], sam
     for index, prompt_ids in enumerate(prompts):
         seeded = replace(sampling, seed=(sampling.seed or 0) + index)
         for row in rows:
-            result = run.decode(row, prompt_ids, seeded, config.max_new_tokens)
+            done = journal.get(mode, index, row)
+            result = result_from_dict(done) if done else run.decode(row, prompt_ids, seeded, config.max_new_tokens)
+            if not done:
+                journal.put(result_to_dict(result), mode, index, row)
             results[row].append(result)
             on_status(_progress_line(mode, index, len(prompts), row, result, results["autoregressive"][index]))
     curve = measure_pass_times(run.target, config.max_budget)
@@ -221,8 +226,10 @@ def _padded(values: list[int], size: int) -> list[int]:
 
 
 def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: list[list[dict[str, str]]],
-                   on_status: Status = lambda message: None) -> dict:
-    """Every mode, then transformers' assisted generation, on `prompts` (chat messages) -> the JSON report."""
+                   on_status: Status = lambda message: None, resume: bool = False) -> dict:
+    """Every mode, then transformers' assisted generation, on `prompts` (chat messages) -> the JSON report.
+    Each finished row goes to a journal in the cache folder; `resume` takes the rows a killed run of the
+    same benchmark finished (their seconds were measured then: `resumed_rows` in the report counts them)."""
     if not prompts:
         raise ValueError("no prompts to benchmark (check --prompts and --limit)")
     target_folder = resolve_model(config.target, on_status=on_status)
@@ -234,15 +241,22 @@ def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: l
               "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling),
               "device": str(choose_device()), "dtype": dtype_name(choose_dtype(config.dtype, choose_device())),
               "threads": torch.get_num_threads(), "modes": {}}
+    journal = BenchJournal("spec", {**asdict(config), "draft": config.draft_spec, "target": str(target_folder),
+                                    "sampling": asdict(sampling), "prompts": prompt_ids, "device": report["device"],
+                                    "dtype": report["dtype"]}, resume)
+    on_status(f"journal: {journal.path.name} ({len(journal.rows)} finished rows taken; a killed run resumes "
+              f"with the same command and --resume)")
     references = {}
     for mode in config.modes:
         on_status(f"{mode}: loading, then {len(prompts)} prompts x {len(config.budgets) + 2} rows")
-        report["modes"][mode], references[mode] = bench_mode(config, mode, prompt_ids, sampling, on_status)
+        report["modes"][mode], references[mode] = bench_mode(config, mode, prompt_ids, sampling, on_status, journal)
     reference = references[config.modes[0]] if sampling.is_greedy else None
     report["assisted_generation"] = {"skipped": "--no-peer"}
     if config.run_peer:
         report["assisted_generation"] = bench_assisted(target_folder, config.draft_spec, prompt_ids, stop_ids,
-                                                       config.max_new_tokens, sampling, reference, on_status)
+                                                       config.max_new_tokens, sampling, reference, on_status,
+                                                       journal)
+    report["resumed_rows"] = journal.resumed
     report["summary"] = summarize(report)
     return report
 

@@ -127,6 +127,8 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                       help="target and draft dtype (default: auto = bf16 on CUDA, fp32 on CPU)")
     spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
+    spec.add_argument("--resume", action="store_true",
+                      help="take the rows a killed run with the same settings finished (default: start afresh)")
     spec.add_argument("--json", action="store_true", help="print only JSON")
 
 
@@ -245,7 +247,8 @@ def _bench_spec(args, console) -> dict:
                              dtype=args.dtype)
     sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
     result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
-                            on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+                            on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
+                            resume=args.resume)
     if not args.json:
         print_tables(result, console)
     return result

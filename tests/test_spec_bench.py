@@ -12,9 +12,10 @@ import torch
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from offload import LoadOptions, load_model
 from offload.weights import CheckpointSource
+from runtime.bench_journal import result_from_dict, result_to_dict
 from runtime.hf_draft import PeerRun, build_hf_draft, peer_report
 from runtime.spec_bench import SpecBenchConfig, load_options, row_report, run_spec_bench
-from spec import DecodeResult, DecodeStats, SamplingConfig
+from spec import Decoder, DecodeResult, DecodeStats, SamplingConfig
 from spec.distill.draft_io import save_draft
 from spec.distill.draft_model import choose_vocab, draft_from_target
 from spec.draft import default_draft_for, load_draft
@@ -98,6 +99,53 @@ def test_bench_runs_every_mode_and_the_peer_on_a_tiny_pair(tiny_pair, tmp_path, 
     summary = report["summary"]
     assert summary["disk_cold_limit"] > 0 and summary["ratio_tokens_per_pass_vs_assisted"] > 0
     assert "/" not in json.dumps({k: v for k, v in report.items() if k != "modes"}).replace("tok/", "")
+
+
+def _figures(report: dict) -> dict:
+    """What a fixed row's tokens decide (not its seconds): tokens per pass and sameness, per mode and the peer
+    (the auto row's choices depend on what its chooser learnt in this run)."""
+    rows = [(mode, row["budget"], row["tokens_per_pass"], row["identical_to_autoregressive"])
+            for mode, result in report["modes"].items() for row in result["budgets"]]
+    rows += [(mode, result["auto"]["identical_to_autoregressive"]) for mode, result in report["modes"].items()]
+    peer = report["assisted_generation"]
+    return {"rows": rows, "peer": (peer["target_forwards"], peer["identical_to_autoregressive"])}
+
+
+def test_a_killed_bench_resumes_where_it_stopped(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target_folder, draft_folder = tiny_pair
+    config = SpecBenchConfig(str(target_folder), str(draft_folder), 12, [1, 8], ["resident"])
+    full = run_spec_bench(config, SamplingConfig(), PROMPTS)
+    assert full["resumed_rows"] == 0
+    journal = next((tmp_path / "bench_journal").glob("spec-*.jsonl"))
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 4 + 2 * 2           # header, 2 prompts x 4 rows, 2 prompts x plain/assisted
+    journal.write_text("\n".join(lines[:6]) + '\n{"key": ["resident", 1, "au')   # killed mid-write
+    ran = []
+    monkeypatch.setattr(Decoder, "generate", _counting(Decoder.generate, ran))
+    resumed = run_spec_bench(config, SamplingConfig(), PROMPTS, resume=True)
+    assert resumed["resumed_rows"] == 5 and _figures(resumed) == _figures(full)
+    assert len(ran) == 2 + 3                          # the two warm-ups, then the 3 rows not journaled
+    ran.clear()
+    afresh = run_spec_bench(config, SamplingConfig(), PROMPTS)
+    assert afresh["resumed_rows"] == 0 and len(ran) == 2 + 8 and _figures(afresh) == _figures(full)
+    other = run_spec_bench(SpecBenchConfig(str(target_folder), str(draft_folder), 10, [1, 8], ["resident"]),
+                           SamplingConfig(), PROMPTS, resume=True)
+    assert other["resumed_rows"] == 0                 # other settings: another journal
+
+
+def _counting(generate, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return generate(self, *args, **kwargs)
+    return counted
+
+
+def test_journaled_results_read_back_equal():
+    result = _result(10, [3, 1, 4], 2.5)
+    result.stats.depth_reached = [3, 2, 1]
+    back = result_from_dict(json.loads(json.dumps(result_to_dict(result))))
+    assert back == result and back.stats.yields[3] == 1 and back.stats.tokens_per_pass == result.stats.tokens_per_pass
 
 
 def _result(num_new: int, yields: list[int], seconds: float) -> DecodeResult:

@@ -1,0 +1,76 @@
+"""A long benchmark's finished rows, one JSON line each, so a run that is killed resumes where it stopped.
+
+The journal's name is a fingerprint of everything that decides a row's result (settings, sampling, prompt
+token ids), so `--resume` can only pick up rows of the same benchmark. The first line holds the fingerprint;
+every later line is {"key": [...], "value": {...}}; a torn last line (a kill mid-write) is ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+from offload.gguf_import import cache_root
+from spec import DecodeResult
+from spec.stats import DecodeStats
+
+JOURNAL_FORMAT = "specstream-bench-journal-1"
+
+
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class BenchJournal:
+    """Rows by key (a tuple of strings and ints); `resume=False` starts the journal afresh."""
+
+    def __init__(self, bench: str, settings: dict, resume: bool, folder: Path | None = None) -> None:
+        key = fingerprint(settings)
+        self.path = (folder or cache_root() / "bench_journal") / f"{bench}-{key}.jsonl"
+        self.rows: dict[tuple, dict] = self._read(key) if resume else {}
+        self.resumed = 0
+        if not self.rows:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"format": JOURNAL_FORMAT, "fingerprint": key}) + "\n")
+
+    def _read(self, key: str) -> dict[tuple, dict]:
+        if not self.path.is_file():
+            return {}
+        lines = self.path.read_text().splitlines()
+        header = json.loads(lines[0]) if lines else {}
+        if header != {"format": JOURNAL_FORMAT, "fingerprint": key}:
+            return {}
+        rows = {}
+        for line in lines[1:]:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue                                   # the line a kill cut short
+            rows[tuple(record["key"])] = record["value"]
+        return rows
+
+    def get(self, *key) -> dict | None:
+        value = self.rows.get(tuple(key))
+        self.resumed += value is not None
+        return value
+
+    def put(self, value: dict, *key) -> None:
+        self.rows[tuple(key)] = value
+        with self.path.open("a") as file:
+            file.write(json.dumps({"key": list(key), "value": value}) + "\n")
+
+
+def result_to_dict(result: DecodeResult) -> dict:
+    stats = {f.name: getattr(result.stats, f.name) for f in fields(DecodeStats)}   # asdict would mangle Counters
+    stats.update(budgets=dict(stats["budgets"]), yields=dict(stats["yields"]), depth_reached=list(stats["depth_reached"]))
+    return {"token_ids": list(result.token_ids), "stats": stats}
+
+
+def result_from_dict(value: dict) -> DecodeResult:
+    raw = value["stats"]
+    stats = DecodeStats(**{f.name: raw[f.name] for f in fields(DecodeStats) if f.name in raw})
+    stats.budgets = Counter({int(k): n for k, n in raw["budgets"].items()})   # JSON keys are strings
+    stats.yields = Counter({int(k): n for k, n in raw["yields"].items()})
+    return DecodeResult(list(value["token_ids"]), stats)
