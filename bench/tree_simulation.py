@@ -27,7 +27,6 @@ from offload import LoadOptions, load_model  # noqa: E402
 from spec import DecodeConfig, Decoder, SamplingConfig, Speculator, default_draft_for, load_any_draft  # noqa: E402
 from spec.draft import Draft  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
-from spec.grow import MAX_DEPTH, GrowthConfig  # noqa: E402
 from spec.tree import Tree  # noqa: E402
 from spec.verify import accepted_path  # noqa: E402
 
@@ -51,9 +50,8 @@ def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int
     speculator = Speculator(draft, max_context, budget)
     committed, position, passes = list(prompt_ids), 0, 0       # answer[position] is the root
     while position < len(answer) - 1:
-        remaining = max_new_tokens - (position + 1)
-        tree, slots = speculator.propose(committed, answer[position],
-                                         GrowthConfig(budget, max_depth=min(MAX_DEPTH, remaining - 1)))
+        growth = DecodeConfig(max_new_tokens).growth(budget, max_new_tokens - (position + 1))
+        tree, slots = speculator.propose(committed, answer[position], growth)   # the growth Decoder uses
         path = _followed_path(tree, answer, position)
         speculator.accept(tree, slots, path)
         committed += [answer[position + i] for i in range(len(path))]

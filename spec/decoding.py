@@ -37,6 +37,11 @@ class DecodeConfig:
         if self.max_pass_tokens <= 0:
             raise ValueError(f"max_pass_tokens must be positive, got {self.max_pass_tokens}")
 
+    def growth(self, budget: int, remaining: int) -> GrowthConfig:
+        """A step's tree with `remaining` tokens left to emit: no deeper than remaining - 1 (the target
+        adds one token after the accepted path)."""
+        return GrowthConfig(budget, self.max_width, self.max_children, min(self.max_depth, remaining - 1))
+
 
 @dataclass(slots=True)
 class DecodeResult:
@@ -165,9 +170,7 @@ class Decoder:
         budget = self._fitting_budget()
         tree, slots, draft_seconds = Tree.root_only(root), None, 0.0
         if budget > 1 and self.speculator:
-            remaining = self.config.max_new_tokens - stats.num_new_tokens
-            growth = GrowthConfig(budget, self.config.max_width, self.config.max_children,
-                                  min(self.config.max_depth, remaining - 1))
+            growth = self.config.growth(budget, self.config.max_new_tokens - stats.num_new_tokens)
             tree, slots = self.speculator.propose(self.cached_ids, root, growth)
             draft_seconds = self.speculator.forward_seconds
         verified = time.perf_counter()
