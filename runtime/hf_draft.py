@@ -9,7 +9,7 @@ DraftDecoderModel.forward, so its greedy picks are our draft's.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,42 +130,39 @@ def run_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: int, 
     return PeerRun(output[0, len(prompt_ids):].tolist(), counter.count, seconds)
 
 
-def bench_assisted(target_folder: Path, draft_spec: str, prompts: list[list[int]], stop_ids: set[int],
-                   max_new_tokens: int, sampling: SamplingConfig, reference: list[list[int]] | None,
-                   on_status=None, journal=None) -> dict:
-    """transformers' generate, plain and assisted, on the same prompt ids; a missing package is reported
-    in the result ({"skipped": why}), not raised. `journal` (a BenchJournal) keeps finished prompts."""
+@dataclass(slots=True)
+class Peer:
+    """transformers' target and assistant, run plain and assisted on one prompt at a time."""
+    target: nn.Module
+    assistant: nn.Module
+    stop_ids: set[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        for model in (None, self.assistant):
+            run_generate(self.target, prompt_ids, 4, self.stop_ids, self.sampling, 0, model)
+
+    def run(self, prompt_ids: list[int], seed: int, assisted: bool) -> PeerRun:
+        return run_generate(self.target, prompt_ids, self.max_new_tokens, self.stop_ids, self.sampling, seed,
+                            self.assistant if assisted else None)
+
+    def report(self, plain: list[PeerRun], assisted: list[PeerRun], reference: list[list[int]] | None) -> dict:
+        return peer_report(plain, assisted, reference, assistant_schedule(self.assistant))
+
+
+def open_peer(target_folder: Path, draft_spec: str, stop_ids: set[int], max_new_tokens: int,
+              sampling: SamplingConfig, on_status=None) -> Peer | str:
+    """transformers' pair for `bench spec`, or why it cannot run (a missing package), which the report
+    says instead of raising."""
     try:
         from transformers.utils import logging
         logging.set_verbosity_error()
         logging.disable_progress_bar()
         draft_folder = draft_spec if is_draft_folder(draft_spec) else resolve_model(draft_spec, on_status=on_status)
-        return _bench_pair(*load_hf_pair(target_folder, draft_folder), prompts, stop_ids, max_new_tokens, sampling,
-                           reference, on_status, journal)
+        return Peer(*load_hf_pair(target_folder, draft_folder), stop_ids, max_new_tokens, sampling)
     except ImportError as err:
-        return {"skipped": f"transformers' assisted generation needs a missing package: {err}"}
-
-
-def _bench_pair(target: nn.Module, assistant: nn.Module, prompts: list[list[int]], stop_ids: set[int],
-                max_new_tokens: int, sampling: SamplingConfig, reference: list[list[int]] | None,
-                on_status=None, journal=None) -> dict:
-    """Figures summed over prompts. Tokens per target forward excludes the first forward, as our tokens per
-    pass excludes the prefill (though transformers' first forward also verifies the first drafted tokens)."""
-    for model in (None, assistant):                     # warm-up
-        run_generate(target, prompts[0], 4, stop_ids, sampling, 0, model)
-    plain, assisted = [], []
-    for index, prompt_ids in enumerate(prompts):
-        seed = (sampling.seed or 0) + index
-        for runs, model, name in ((plain, None, "plain"), (assisted, assistant, "assisted")):
-            done = journal.get("assisted_generation", index, name) if journal else None
-            runs.append(PeerRun(**done) if done else
-                        run_generate(target, prompt_ids, max_new_tokens, stop_ids, sampling, seed, model))
-            if journal and not done:
-                journal.put(asdict(runs[-1]), "assisted_generation", index, name)
-        if on_status:
-            on_status(f"assisted generation: prompt {index + 1}/{len(prompts)}: {len(assisted[-1].token_ids)} "
-                      f"tokens in {assisted[-1].num_target_forwards} target forwards")
-    return peer_report(plain, assisted, reference, assistant_schedule(assistant))
+        return f"transformers' assisted generation needs a missing package: {err}"
 
 
 def peer_report(plain: list[PeerRun], assisted: list[PeerRun], reference: list[list[int]] | None,

@@ -22,8 +22,8 @@ from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, 
 from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
 from spec.draft import default_draft_for, load_any_draft
 from .auto_budget import _pass_seconds, auto_budget
-from .bench_journal import BenchJournal, result_from_dict, result_to_dict
-from .hf_draft import bench_assisted
+from .bench_journal import BenchJournal, fingerprint, result_from_dict, result_to_dict
+from .hf_draft import Peer, PeerRun, open_peer
 from .speculation import estimated_draft_bytes
 
 MODES = ("resident", "disk-cold")
@@ -132,28 +132,64 @@ def open_mode(config: SpecBenchConfig, mode: str, on_status: Status) -> ModeRun:
                    Decoder(target.model, target.stop_ids, decode, speculator), chooser)
 
 
-def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[list[int]], sampling: SamplingConfig,
-               on_status: Status, journal: BenchJournal) -> tuple[dict, list[list[int]]]:
-    """-> (the mode's report, its autoregressive tokens per prompt). Rows in `journal` are not run again
-    (the auto row's chooser then starts the remaining prompts without what it learnt on those)."""
+@dataclass(slots=True)
+class BenchPrompt:
+    """A prompt's token ids and its seed (the sampling seed + its index in the whole prompt list); `key`
+    names its rows in the journal."""
+    ids: list[int]
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{fingerprint(self.ids)}-{self.seed}"
+
+
+PEER_ROWS = ("transformers", "assisted")
+
+
+def bench_mode(config: SpecBenchConfig, mode: str, prompts: list[BenchPrompt], sampling: SamplingConfig,
+               on_status: Status, journal: BenchJournal, peer: Peer | None) -> tuple[dict, list[list[int]], dict]:
+    """-> (the mode's report, its autoregressive tokens per prompt, the peer's runs by row). Rows in
+    `journal` are not run again (the auto row's chooser then goes on without what it learnt on them).
+    The peer (`peer`: transformers, plain and assisted) runs after each prompt's rows, so a run cut short
+    still compares both on the same prompts."""
     run = open_mode(config, mode, on_status)
     rows = ["autoregressive", *config.budgets, "auto"]
     for row in ("autoregressive", config.max_budget):
-        run.decode(row, prompts[0], sampling, WARMUP_TOKENS)
+        run.decode(row, prompts[0].ids, sampling, WARMUP_TOKENS)
+    if peer:
+        peer.warm_up(prompts[0].ids)
     results: dict = {row: [] for row in rows}
-    for index, prompt_ids in enumerate(prompts):
-        seeded = replace(sampling, seed=(sampling.seed or 0) + index)
+    peer_runs: dict = {row: [] for row in PEER_ROWS}
+    for index, prompt in enumerate(prompts):
+        seeded = replace(sampling, seed=prompt.seed)
         for row in rows:
-            done = journal.get(mode, index, row)
-            result = result_from_dict(done) if done else run.decode(row, prompt_ids, seeded, config.max_new_tokens)
+            done = journal.get(mode, prompt.key, row)
+            result = result_from_dict(done) if done else run.decode(row, prompt.ids, seeded, config.max_new_tokens)
             if not done:
-                journal.put(result_to_dict(result), mode, index, row)
+                journal.put(result_to_dict(result), mode, prompt.key, row)
             results[row].append(result)
             on_status(_progress_line(mode, index, len(prompts), row, result, results["autoregressive"][index]))
+        for row in PEER_ROWS if peer else ():
+            done = journal.get("peer", prompt.key, row)
+            peer_runs[row].append(PeerRun(**done) if done else peer.run(prompt.ids, prompt.seed, row == "assisted"))
+            if not done:
+                journal.put(asdict(peer_runs[row][-1]), "peer", prompt.key, row)
+        if peer:
+            on_status(f"assisted generation: prompt {index + 1}/{len(prompts)}: "
+                      f"{len(peer_runs['assisted'][-1].token_ids)} tokens in "
+                      f"{peer_runs['assisted'][-1].num_target_forwards} target forwards")
     curve = measure_pass_times(run.target, config.max_budget)
     run.close()
     reference = [r.token_ids for r in results["autoregressive"]]
-    return mode_report(run, results, reference, sampling, curve), reference
+    return mode_report(run, results, reference, sampling, curve), reference, peer_runs
+
+
+def journaled(journal: BenchJournal, config: SpecBenchConfig, prompt: BenchPrompt) -> bool:
+    """Whether every row of `prompt` is in the journal."""
+    rows = [(mode, row) for mode in config.modes for row in ("autoregressive", *config.budgets, "auto")]
+    rows += [("peer", row) for row in PEER_ROWS] if config.run_peer else []
+    return all((mode, prompt.key, row) in journal.rows for mode, row in rows)
 
 
 def measure_pass_times(target: LoadedModel, max_budget: int) -> PassTimeCurve:
@@ -226,36 +262,46 @@ def _padded(values: list[int], size: int) -> list[int]:
 
 
 def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: list[list[dict[str, str]]],
-                   on_status: Status = lambda message: None, resume: bool = False) -> dict:
-    """Every mode, then transformers' assisted generation, on `prompts` (chat messages) -> the JSON report.
+                   on_status: Status = lambda message: None, resume: bool = False, partial: bool = False) -> dict:
+    """Every mode, and transformers' assisted generation, on `prompts` (chat messages) -> the JSON report.
     Each finished row goes to a journal in the cache folder; `resume` takes the rows a killed run of the
-    same benchmark finished (their seconds were measured then: `resumed_rows` in the report counts them)."""
+    same benchmark finished (their seconds were measured then: `resumed_rows` in the report counts them);
+    `partial` reports on the prompts whose rows are all journaled, decoding nothing."""
     if not prompts:
         raise ValueError("no prompts to benchmark (check --prompts and --limit)")
     target_folder = resolve_model(config.target, on_status=on_status)
     tokenizer = Tokenizer(target_folder)
     stop_ids = stop_token_ids(target_folder, ModelConfig.from_file(target_folder), tokenizer)
-    prompt_ids = [tokenizer.encode_chat(messages) for messages in prompts]
-    report = {"bench": "spec", "target": DEFAULT_TARGET_NAME if config.target in (None, "default")
-              else target_folder.name, "draft": Path(config.draft_spec).name, "prompts": len(prompts),
-              "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling),
-              "device": str(choose_device()), "dtype": dtype_name(choose_dtype(config.dtype, choose_device())),
-              "threads": torch.get_num_threads(), "modes": {}}
-    journal = BenchJournal("spec", {**asdict(config), "draft": config.draft_spec, "target": str(target_folder),
-                                    "sampling": asdict(sampling), "prompts": prompt_ids, "device": report["device"],
-                                    "dtype": report["dtype"]}, resume)
+    bench_prompts = [BenchPrompt(tokenizer.encode_chat(messages), (sampling.seed or 0) + index)
+                     for index, messages in enumerate(prompts)]
+    device, dtype = choose_device(), dtype_name(choose_dtype(config.dtype, choose_device()))
+    settings = {**asdict(config), "draft": config.draft_spec, "target": str(target_folder),
+                "sampling": asdict(sampling), "device": str(device), "dtype": dtype}
+    journal = BenchJournal("spec", settings, resume or partial)
     on_status(f"journal: {journal.path.name} ({len(journal.rows)} finished rows taken; a killed run resumes "
               f"with the same command and --resume)")
-    references = {}
+    if partial:
+        bench_prompts = [p for p in bench_prompts if journaled(journal, config, p)]
+        if not bench_prompts:
+            raise ValueError("--partial: no prompt has all its rows in the journal of a run with these settings")
+    report = {"bench": "spec", "target": DEFAULT_TARGET_NAME if config.target in (None, "default")
+              else target_folder.name, "draft": Path(config.draft_spec).name, "prompts": len(bench_prompts),
+              "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling), "device": str(device),
+              "dtype": dtype, "threads": torch.get_num_threads(), "modes": {}}
+    if partial:
+        report["partial"] = {"prompts_finished": len(bench_prompts), "prompts_given": len(prompts)}
+    peer = open_peer(target_folder, config.draft_spec, stop_ids, config.max_new_tokens, sampling, on_status) \
+        if config.run_peer else "--no-peer"
+    references, peer_runs = {}, {}
     for mode in config.modes:
-        on_status(f"{mode}: loading, then {len(prompts)} prompts x {len(config.budgets) + 2} rows")
-        report["modes"][mode], references[mode] = bench_mode(config, mode, prompt_ids, sampling, on_status, journal)
+        on_status(f"{mode}: loading, then {len(bench_prompts)} prompts x {len(config.budgets) + 2} rows")
+        first = mode == config.modes[0] and isinstance(peer, Peer)
+        report["modes"][mode], references[mode], runs = bench_mode(config, mode, bench_prompts, sampling, on_status,
+                                                                   journal, peer if first else None)
+        peer_runs = runs if first else peer_runs
     reference = references[config.modes[0]] if sampling.is_greedy else None
-    report["assisted_generation"] = {"skipped": "--no-peer"}
-    if config.run_peer:
-        report["assisted_generation"] = bench_assisted(target_folder, config.draft_spec, prompt_ids, stop_ids,
-                                                       config.max_new_tokens, sampling, reference, on_status,
-                                                       journal)
+    report["assisted_generation"] = peer.report(peer_runs["transformers"], peer_runs["assisted"], reference) \
+        if isinstance(peer, Peer) else {"skipped": peer}
     report["resumed_rows"] = journal.resumed
     report["summary"] = summarize(report)
     return report

@@ -129,6 +129,9 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
     spec.add_argument("--resume", action="store_true",
                       help="take the rows a killed run with the same settings finished (default: start afresh)")
+    spec.add_argument("--partial", action="store_true",
+                      help="report on the prompts a (killed or running) run with the same settings finished, "
+                           "decoding nothing (default: off)")
     spec.add_argument("--json", action="store_true", help="print only JSON")
 
 
@@ -248,7 +251,7 @@ def _bench_spec(args, console) -> dict:
     sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
     result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
-                            resume=args.resume)
+                            resume=args.resume, partial=args.partial)
     if not args.json:
         print_tables(result, console)
     return result

@@ -2,6 +2,7 @@
 runs every mode and the assisted-generation peer on a tiny pair; on the default pair the CLI reports the
 documented keys with greedy outputs identical for every budget."""
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -119,19 +120,24 @@ def test_a_killed_bench_resumes_where_it_stopped(tiny_pair, tmp_path, monkeypatc
     assert full["resumed_rows"] == 0
     journal = next((tmp_path / "bench_journal").glob("spec-*.jsonl"))
     lines = journal.read_text().splitlines()
-    assert len(lines) == 1 + 2 * 4 + 2 * 2           # header, 2 prompts x 4 rows, 2 prompts x plain/assisted
-    journal.write_text("\n".join(lines[:6]) + '\n{"key": ["resident", 1, "au')   # killed mid-write
+    assert len(lines) == 1 + 2 * (4 + 2)             # header, then per prompt 4 rows of ours and 2 of the peer
+    journal.write_text("\n".join(lines[:7]) + '\n{"key": ["resident", "x", "au')   # killed mid-write
     ran = []
     monkeypatch.setattr(Decoder, "generate", _counting(Decoder.generate, ran))
+    partial = run_spec_bench(config, SamplingConfig(), PROMPTS, partial=True)
+    assert partial["prompts"] == 1 and partial["partial"] == {"prompts_finished": 1, "prompts_given": 2}
+    assert len(ran) == 2 and partial["assisted_generation"]["identical_to_autoregressive"] == 1   # warm-ups only
+    ran.clear()
     resumed = run_spec_bench(config, SamplingConfig(), PROMPTS, resume=True)
-    assert resumed["resumed_rows"] == 5 and _figures(resumed) == _figures(full)
-    assert len(ran) == 2 + 3                          # the two warm-ups, then the 3 rows not journaled
+    assert resumed["resumed_rows"] == 6 and _figures(resumed) == _figures(full)
+    assert len(ran) == 2 + 4                          # the two warm-ups, then the second prompt's rows
     ran.clear()
     afresh = run_spec_bench(config, SamplingConfig(), PROMPTS)
     assert afresh["resumed_rows"] == 0 and len(ran) == 2 + 8 and _figures(afresh) == _figures(full)
-    other = run_spec_bench(SpecBenchConfig(str(target_folder), str(draft_folder), 10, [1, 8], ["resident"]),
-                           SamplingConfig(), PROMPTS, resume=True)
-    assert other["resumed_rows"] == 0                 # other settings: another journal
+    other = SpecBenchConfig(str(target_folder), str(draft_folder), 10, [1, 8], ["resident"])
+    assert run_spec_bench(other, SamplingConfig(), PROMPTS, resume=True)["resumed_rows"] == 0   # another journal
+    with pytest.raises(ValueError, match="--partial: no prompt"):
+        run_spec_bench(replace(other, budgets=[1, 4]), SamplingConfig(), PROMPTS, partial=True)
 
 
 def _counting(generate, calls: list):
