@@ -217,3 +217,14 @@ def test_return_hidden_is_final_norm_output(tiny_checkpoint, family):
     # transformers 5 reports the final-norm output as the last hidden state
     torch.testing.assert_close(out.hidden, hf_out.hidden_states[-1], atol=ATOL, rtol=0)
     assert ours.forward(ids, ours.new_cache(16)).hidden is None
+
+
+def test_a_block_pass_computes_what_one_token_passes_compute(tiny_checkpoint):
+    """bench/pass_invariance.py: in fp32 a chain's block pass gives one-token greedy decoding's logits (so
+    its choices); in bf16 it is really computed in bf16 (differences exist) and still close."""
+    from bench.pass_invariance import compare_passes
+    folder, _ = tiny_checkpoint("llama")
+    fp32 = compare_passes(load_ours(folder, torch.float32), [3, 7, 11, 5, 2], 16)
+    assert fp32["positions"] == 16 and fp32["flips"] == 0 and fp32["max_logit_difference"] < 1e-4
+    bf16 = compare_passes(load_ours(folder, torch.bfloat16), [3, 7, 11, 5, 2], 16)
+    assert 0 < bf16["max_logit_difference"] < 0.5 and len(bf16["margins_at_flips"]) == bf16["flips"]
