@@ -59,6 +59,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0 = off)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top prob (default: 0 = off)")
     group.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="end the answer before this text (repeatable; default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args):
+    from runtime.stop import check_stop_strings
     from spec import SamplingConfig
+    if args.stop:
+        check_stop_strings(args.stop)
     return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
 
 
@@ -138,7 +143,7 @@ def cmd_run(args, console) -> int:
     else:
         prompt_ids = session.encode(_messages(args.system, [{"role": "user", "content": args.prompt}]))
     on_text = None if args.json else (lambda delta: print(delta, end="", flush=True))
-    text, result = session.generate(prompt_ids, sampling, args.max_new_tokens, on_text)
+    text, result = session.generate(prompt_ids, sampling, args.max_new_tokens, on_text, args.stop)
     if args.json:
         print(json.dumps(session.report(text, result), ensure_ascii=False))
     else:
@@ -186,10 +191,10 @@ def cmd_chat(args, console) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        last = _chat_answer(session, sampling, args.max_new_tokens, _messages(system, history), history, console)
+        last = _chat_answer(session, sampling, args, _messages(system, history), history, console)
 
 
-def _chat_answer(session, sampling, max_new_tokens, messages, history, console) -> dict | None:
+def _chat_answer(session, sampling, args, messages, history, console) -> dict | None:
     pieces: list[str] = []
 
     def on_text(delta: str) -> None:
@@ -197,7 +202,7 @@ def _chat_answer(session, sampling, max_new_tokens, messages, history, console) 
         print(delta, end="", flush=True)
 
     try:
-        text, result = session.generate(session.encode(messages), sampling, max_new_tokens, on_text)
+        text, result = session.generate(session.encode(messages), sampling, args.max_new_tokens, on_text, args.stop)
     except KeyboardInterrupt:
         print()
         console.print("[dim](answer stopped)[/dim]")
@@ -222,7 +227,8 @@ def cmd_batch(args, console) -> int:
     judged = [0]
 
     def generate(item, item_sampling, max_tokens):
-        text, result = session.generate(session.encode(item.messages), item_sampling, max_tokens)
+        text, result = session.generate(session.encode(item.messages), item_sampling, max_tokens,
+                                        stop=item.stop if item.stop is not None else args.stop)
         judged[0] += result.stats.policy_accepted
         return text, session.report(text, result)
 

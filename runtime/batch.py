@@ -1,7 +1,7 @@
 """Resumable batch runs over JSONL.
 
 Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `url`, `body.messages`,
-`body.max_tokens`, `body.temperature`, `body.top_p`). Output: one OpenAI batch-output line per
+`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`). Output: one OpenAI batch-output line per
 input, flushed and fsynced as it completes; a rerun skips ids already in the output. A request for
 an endpoint we do not serve (`url` other than /v1/chat/completions) gets an error line, as OpenAI's
 and vLLM's batch runners write, so the output accounts for every request.
@@ -28,6 +28,7 @@ class BatchItem:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    stop: list[str] | None = None   # stop strings (None: the command line's)
     error: str | None = None        # set: answered with an error line, never generated
 
 
@@ -64,11 +65,23 @@ def parse_line(text: str) -> BatchItem:
             if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
                 raise ValueError("each message needs a role and a string content")
         return BatchItem(str(raw["custom_id"]), body["messages"], _opt(body, "max_tokens", int),
-                         _opt(body, "temperature", float), _opt(body, "top_p", float))
+                         _opt(body, "temperature", float), _opt(body, "top_p", float), _stop(body))
     if "id" in raw and isinstance(raw.get("prompt"), str):
         return BatchItem(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}],
-                         _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float))
+                         _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float),
+                         _stop(raw))
     raise ValueError('expected {"id", "prompt"} or an OpenAI batch line with custom_id and body')
+
+
+def _stop(raw: dict) -> list[str] | None:
+    """OpenAI's `stop`: a string or a list of strings."""
+    value = raw.get("stop")
+    if value is None:
+        return None
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not strings or any(not isinstance(s, str) or not s for s in strings):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
+    return strings
 
 
 def _opt(raw: dict, key: str, kind: type):

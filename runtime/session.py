@@ -15,6 +15,7 @@ from spec.draft import is_draft_folder, load_draft
 from .auto_budget import auto_budget
 from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for,
                           new_speculator)
+from .stop import HeldBackText, StopStrings
 
 
 MIN_PASS_TOKENS = 512      # prefill chunk: the smallest workspace a session plans for
@@ -138,20 +139,29 @@ class Session:
         return self.tokenizer.encode_chat(messages or [])
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int,
-                 on_text=None) -> tuple[str, DecodeResult]:
+                 on_text=None, stop: list[str] | None = None) -> tuple[str, DecodeResult]:
+        """-> (the answer's text, ending before its first stop string, if any; the decode result).
+        on_text(delta) receives the text as it grows, never a stop string or the start of one."""
+        stops = StopStrings(self.tokenizer, stop) if stop else None
+        show = HeldBackText(stops.strings, on_text) if stops and on_text else None
         stream = StreamDecoder(self.tokenizer)
 
         def on_tokens(ids: list[int]) -> None:
             delta = stream.push(ids)
             if delta and on_text:
-                on_text(delta)
+                (show.push if show else on_text)(delta)
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._streamed_before = self.target.layers.total.bytes_streamed
         self.decoder.config = replace(self.decoder.config, max_new_tokens=max_new_tokens)
-        result = self.decoder.generate(prompt_ids, sampling, on_tokens)
-        return self.tokenizer.decode(result.token_ids), result
+        result = self.decoder.generate(prompt_ids, sampling, on_tokens, stops)
+        text = self.tokenizer.decode(result.token_ids)
+        if stops:
+            text = stops.trim(text)
+        if show:
+            show.finish(text)
+        return text, result
 
     def reset(self) -> None:
         self.decoder.reset()

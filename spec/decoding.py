@@ -73,6 +73,12 @@ class FixedBudget:
 TokenCallback = Callable[[list[int]], None]
 
 
+class StopCondition(Protocol):
+    """Ends an answer at the first token after which it holds (e.g. the text contains a stop string)."""
+
+    def reached(self, answer_ids: list[int]) -> bool: ...
+
+
 class Decoder:
     def __init__(self, target: DecoderModel, stop_ids: set[int], config: DecodeConfig,
                  speculator: Speculator | None = None, budget: BudgetPolicy | None = None,
@@ -90,7 +96,9 @@ class Decoder:
             self.speculator.reset()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig,
-                 on_tokens: TokenCallback | None = None) -> DecodeResult:
+                 on_tokens: TokenCallback | None = None, stop: StopCondition | None = None) -> DecodeResult:
+        """The answer to `prompt_ids`: it ends at a stop token, at `stop`, at max_new_tokens or at the end
+        of the context, token by token in order, so exactly where one-token decoding would end it."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.config.max_context:
@@ -101,7 +109,7 @@ class Decoder:
         generator = make_generator(sampling, self.target.device)
         try:
             logits = self._prefill(prompt_ids, result.stats)
-            self._loop(logits, sampling, generator, result, on_tokens, start)
+            self._loop(logits, sampling, generator, result, on_tokens, start, stop)
         except KeyboardInterrupt:
             result.stats.stop_reason = "interrupted"
             self._discard_pending()
@@ -136,11 +144,11 @@ class Decoder:
         return logits[0, -1]   # [V]
 
     def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, generator, result: DecodeResult,
-              on_tokens: TokenCallback | None, start: float) -> None:
+              on_tokens: TokenCallback | None, start: float, stop: StopCondition | None) -> None:
         stats = result.stats
         emitted = [int(sample(logits, sampling, generator))]
         while True:
-            count, stats.stop_reason = self._cut(emitted, stats)
+            count, stats.stop_reason = self._cut(emitted, result.token_ids, stop)
             result.token_ids.extend(emitted[:count])
             stats.num_new_tokens += count
             if stats.first_token_seconds is None:
@@ -154,12 +162,15 @@ class Decoder:
                 return
             emitted = self._step(emitted[-1], sampling, generator, stats)
 
-    def _cut(self, emitted: list[int], stats: DecodeStats) -> tuple[int, str]:
-        """How many of a step's tokens to emit, and why generation stops there ("" if it goes on)."""
+    def _cut(self, emitted: list[int], answer: list[int], stop: StopCondition | None) -> tuple[int, str]:
+        """How many of a step's tokens to emit after `answer`, and why generation stops there ("" if it
+        goes on)."""
         for index, token in enumerate(emitted, start=1):
             if token in self.stop_ids:
                 return index, "eos"
-            if stats.num_new_tokens + index >= self.config.max_new_tokens:
+            if stop is not None and stop.reached(answer + emitted[:index]):
+                return index, "stop_string"
+            if len(answer) + index >= self.config.max_new_tokens:
                 return index, "length"
         return len(emitted), ""
 

@@ -129,6 +129,37 @@ def test_stop_tokens_and_length_inside_an_accepted_path_end_where_target_decodin
         assert decoder.cache.length == len(decoder.cached_ids)
 
 
+class EndsAfter:
+    """A StopCondition that holds once the answer ends with `tail` (as a stop string's text would)."""
+
+    def __init__(self, tail: list[int]) -> None:
+        self.tail, self.calls = tail, 0
+
+    def reached(self, answer_ids: list[int]) -> bool:
+        self.calls += 1
+        return answer_ids[-len(self.tail):] == self.tail
+
+
+def test_a_stop_condition_inside_an_accepted_path_ends_where_target_decoding_does(pairs):
+    target_folder, _, _ = pairs(3)
+    target, itself = load_pair(target_folder, target_folder)    # every draft token is accepted
+    _, free = decode(target, None, PROMPTS[0], 1, max_new=30, stop_ids=set())
+    for end in (1, 6, 11):
+        tail = free.token_ids[end - 1:end + 1] if end > 1 else free.token_ids[:1]
+        first = next(i for i in range(len(free.token_ids)) if free.token_ids[max(i + 1 - len(tail), 0):i + 1] == tail)
+        results = []
+        for draft, budget in ((None, 1), (itself, 16)):
+            config = DecodeConfig(30, CONTEXT, max_pass_tokens=64)
+            speculator = Speculator(draft, CONTEXT, budget, 64) if draft else None
+            decoder = Decoder(target.model, set(), config, speculator, FixedBudget(budget))
+            results.append(decoder.generate(PROMPTS[0], SamplingConfig(), stop=EndsAfter(tail)))
+            assert decoder.cache.length == len(decoder.cached_ids)
+        reference, speculative = results
+        assert reference.token_ids == free.token_ids[:first + 1] and reference.stats.stop_reason == "stop_string"
+        assert speculative.token_ids == reference.token_ids and speculative.stats.stop_reason == "stop_string"
+        assert speculative.stats.tokens_per_pass > 1 or first < 2
+
+
 def test_tree_shrinks_near_the_end_of_the_context(pairs):
     target_folder, close, _ = pairs(4)
     target, draft = load_pair(target_folder, close)
