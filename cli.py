@@ -59,6 +59,9 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0 = off)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top prob (default: 0 = off)")
     group.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="divide the logits of tokens already in the context by this (> 1 discourages "
+                            "repeats; speculation stays exact) (default: 1.0 = off)")
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="end the answer before this text (repeatable; default: none)")
 
@@ -90,7 +93,7 @@ def _sampling(args):
     from spec import SamplingConfig
     if args.stop:
         check_stop_strings(args.stop)
-    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.repetition_penalty)
 
 
 def _session(args, console):

@@ -1,7 +1,7 @@
 """Resumable batch runs over JSONL.
 
 Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `url`, `body.messages`,
-`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`). Output: one OpenAI batch-output line per
+`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`, vLLM's `body.repetition_penalty`). Output: one OpenAI batch-output line per
 input, flushed and fsynced as it completes; a rerun skips ids already in the output. A request for
 an endpoint we do not serve (`url` other than /v1/chat/completions) gets an error line, as OpenAI's
 and vLLM's batch runners write, so the output accounts for every request.
@@ -29,6 +29,7 @@ class BatchItem:
     temperature: float | None = None
     top_p: float | None = None
     stop: list[str] | None = None   # stop strings (None: the command line's)
+    repetition_penalty: float | None = None
     error: str | None = None        # set: answered with an error line, never generated
 
 
@@ -65,11 +66,12 @@ def parse_line(text: str) -> BatchItem:
             if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
                 raise ValueError("each message needs a role and a string content")
         return BatchItem(str(raw["custom_id"]), body["messages"], _opt(body, "max_tokens", int),
-                         _opt(body, "temperature", float), _opt(body, "top_p", float), _stop(body))
+                         _opt(body, "temperature", float), _opt(body, "top_p", float), _stop(body),
+                         _opt(body, "repetition_penalty", float))
     if "id" in raw and isinstance(raw.get("prompt"), str):
         return BatchItem(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}],
                          _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float),
-                         _stop(raw))
+                         _stop(raw), _opt(raw, "repetition_penalty", float))
     raise ValueError('expected {"id", "prompt"} or an OpenAI batch line with custom_id and body')
 
 
@@ -173,7 +175,8 @@ def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_n
 
 
 def _item_sampling(item: BatchItem, sampling: SamplingConfig) -> SamplingConfig:
-    changes = {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p)) if v is not None}
+    changes = {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p),
+                                 ("repetition_penalty", item.repetition_penalty)) if v is not None}
     return replace(sampling, **changes) if changes else sampling
 
 

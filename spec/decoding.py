@@ -13,7 +13,7 @@ import torch
 
 from offload import DecoderModel, ForwardOutput, KVCache
 from .grow import MAX_CHILDREN, MAX_DEPTH, GrowthConfig
-from .sampling import SamplingConfig, make_generator, sample
+from .sampling import SamplingConfig, make_generator, penalize_repetition, sample
 from .speculator import Speculator
 from .stats import DecodeStats
 from .tree import Tree
@@ -146,7 +146,7 @@ class Decoder:
     def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, generator, result: DecodeResult,
               on_tokens: TokenCallback | None, start: float, stop: StopCondition | None) -> None:
         stats = result.stats
-        emitted = [int(sample(logits, sampling, generator))]
+        emitted = [int(sample(self._penalized(logits[None], None, sampling)[0], sampling, generator))]
         while True:
             count, stats.stop_reason = self._cut(emitted, result.token_ids, stop)
             result.token_ids.extend(emitted[:count])
@@ -187,7 +187,8 @@ class Decoder:
         verified = time.perf_counter()
         output = self._verify_pass(tree)
         target_seconds = time.perf_counter() - verified
-        choices = target_choices(output.logits[0], sampling, generator).to(tree.tokens.device)
+        logits = self._penalized(output.logits[0], tree, sampling)                     # [N, V]
+        choices = target_choices(logits, sampling, generator).to(tree.tokens.device)
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
@@ -201,6 +202,16 @@ class Decoder:
         stats.record_step(budget, tree.num_nodes, len(yielded), draft_seconds, target_seconds, overhead)
         self.budget.observe(tree.num_nodes, path[1:], draft_seconds, overhead, target_seconds)
         return yielded
+
+    def _penalized(self, logits: torch.Tensor, tree: Tree | None, sampling: SamplingConfig) -> torch.Tensor:
+        """logits [N, V] at the tree's nodes (None: after the committed tokens alone) with the repetition
+        penalty over each node's context: the committed tokens and its path from the root."""
+        if sampling.repetition_penalty == 1.0:
+            return logits
+        seen = torch.tensor(sorted(set(self.cached_ids)), device=logits.device)[None].expand(logits.shape[0], -1)
+        if tree is not None:
+            seen = torch.cat((seen, tree.path_tokens().to(logits.device)), dim=1)
+        return penalize_repetition(logits, seen, sampling.repetition_penalty)
 
     def _fitting_budget(self) -> int:
         """The policy's tree size, shrunk to what the context window and the engine's workspace hold

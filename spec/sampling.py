@@ -14,6 +14,7 @@ class SamplingConfig:
     top_k: int = 0             # 0 disables
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0   # > 1 discourages tokens already in the context (1: off)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -24,6 +25,8 @@ class SamplingConfig:
             raise ValueError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min-p must lie in [0, 1), got {self.min_p}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition penalty must lie in (0, 10], got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:
@@ -73,3 +76,14 @@ def sample(logits: Tensor, config: SamplingConfig, generator: torch.Generator | 
     probs = probabilities(logits, config)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def penalize_repetition(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """logits [N, V], seen [N, M] token ids each row's context holds (repeats allowed) -> logits with
+    each seen token's logit divided by `penalty` where positive, multiplied where negative (CTRL's rule,
+    as transformers' RepetitionPenaltyLogitsProcessor applies it over the whole input). Each value is
+    computed from the original logit and assigned, so a token seen twice is penalized once."""
+    if penalty == 1.0:
+        return logits
+    values = logits.gather(1, seen)
+    return logits.scatter(1, seen, torch.where(values > 0, values / penalty, values * penalty))

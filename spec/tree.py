@@ -44,6 +44,14 @@ class Tree:
         return cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
                    torch.tensor(logprobs if logprobs is not None else [0.0] * len(tokens), dtype=torch.float32))
 
+    def path_tokens(self) -> Tensor:
+        """[N, max depth + 1]: each node's tokens from itself up to the root, padded with its own token."""
+        columns, current = [self.tokens], self.parents
+        while bool((current >= 0).any()):
+            columns.append(torch.where(current >= 0, self.tokens[current.clamp(min=0)], self.tokens))
+            current = torch.where(current >= 0, self.parents[current.clamp(min=0)], current)
+        return torch.stack(columns, dim=1)
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[0]

@@ -66,3 +66,20 @@ def test_greedy_64_tokens_identical_to_transformers_generate(ours, reference, pr
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
     expected = out[0, len(ids):].tolist()
     assert _greedy(ours, ids) == expected
+
+
+def test_repetition_penalty_matches_transformers_and_speculation_stays_exact(ours, reference):
+    """Greedy with repetition_penalty=1.3: ours one token per pass = transformers' generate; speculation with
+    the shipped draft (trees of 16) = ours one token per pass; and the penalty changes the answer."""
+    from spec import FixedBudget, Speculator, default_draft_for, load_any_draft
+    _, hf_model = reference
+    ids = ours.tokenizer.encode_chat([{"role": "user", "content": "List ten fruits, one per line."}])
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, repetition_penalty=1.3)
+    penalized = SamplingConfig(repetition_penalty=1.3)
+    plain = Decoder(ours.model, ours.stop_ids, DecodeConfig(48, 1024)).generate(ids, penalized).token_ids
+    assert plain == out[0, len(ids):].tolist() and plain != _greedy(ours, ids, 48)
+    draft = load_any_draft(str(default_draft_for(None)), ours, LoadOptions(device="cpu", dtype="fp32"))
+    speculative = Decoder(ours.model, ours.stop_ids, DecodeConfig(48, 1024), Speculator(draft, 1024, 16),
+                          FixedBudget(16)).generate(ids, penalized)
+    assert speculative.token_ids == plain and speculative.stats.tokens_per_pass > 1

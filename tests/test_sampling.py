@@ -148,3 +148,21 @@ def test_unseeded_generator_leaves_global_rng_alone():
     torch.manual_seed(0)
     make_generator(SamplingConfig(temperature=1.0), CPU)
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3, 0.7])
+def test_repetition_penalty_matches_transformers(penalty):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    from spec.sampling import penalize_repetition
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=generator) * 3
+    seen = torch.randint(0, 50, (3, 12), generator=generator)            # repeats included
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone())
+    assert torch.equal(penalize_repetition(logits, seen, penalty), expected)
+    assert penalty == 1.0 or not torch.equal(expected, logits)
+
+
+@pytest.mark.parametrize("penalty", [0.0, -1.0, 11.0])
+def test_repetition_penalty_out_of_range_is_refused(penalty):
+    with pytest.raises(ValueError, match="repetition penalty"):
+        SamplingConfig(repetition_penalty=penalty)

@@ -69,6 +69,23 @@ def test_greedy_speculation_equals_target_greedy_for_every_budget(pairs, seed):
                 assert result.stats.stop_reason == reference.stats.stop_reason
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_speculation_with_a_repetition_penalty_equals_target_greedy(pairs, seed):
+    """Each tree node is penalized over its own context (the committed tokens and its path)."""
+    target_folder, close, far = pairs(seed)
+    penalized = SamplingConfig(repetition_penalty=1.5)
+    changed = 0
+    for draft_folder in (close, far):
+        target, draft = load_pair(target_folder, draft_folder)
+        for prompt in PROMPTS:
+            _, reference = decode(target, None, prompt, 1, sampling=penalized)
+            changed += reference.token_ids != decode(target, None, prompt, 1)[1].token_ids
+            for budget in (2, 8, 32):
+                _, result = decode(target, draft, prompt, budget, sampling=penalized)
+                assert result.token_ids == reference.token_ids, (seed, draft_folder.name, prompt, budget)
+    assert changed                                   # the penalty really changes answers
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tier", ["device", "ram"])
