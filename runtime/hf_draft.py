@@ -118,6 +118,8 @@ def run_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: int, 
     input_ids = torch.tensor([prompt_ids])                                     # [1, P]
     options = {"do_sample": False} if sampling.is_greedy else {
         "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+    if sampling.repetition_penalty != 1.0:
+        options["repetition_penalty"] = sampling.repetition_penalty
     torch.manual_seed(seed)
     try:
         start = time.perf_counter()

@@ -121,6 +121,8 @@ def _add_bench_spec_parser(benches) -> None:
     spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     spec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     spec.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: 0)")
+    spec.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="the target's repetition penalty, for every row and the peer (default: 1.0 = off)")
     spec.add_argument("--gpu-mem", default=None,
                       help="disk-cold device budget, e.g. 700MiB (default: what never streams + the ring + "
                            "3 layers)")
@@ -248,7 +250,7 @@ def _bench_spec(args, console) -> dict:
                              [m.strip() for m in args.modes.split(",") if m.strip()],
                              parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer,
                              dtype=args.dtype)
-    sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed)
+    sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty)
     result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
                             resume=args.resume, partial=args.partial)

@@ -88,6 +88,7 @@ class Decoder:
         self.policy = policy or ExactMatch()
         self.cache: KVCache = target.new_cache(config.max_context)
         self.cached_ids: list[int] = []   # tokens whose keys/values are committed in the cache
+        self._logit_level = 0.0           # the target's last log-sum-exp (see Draft.log_probs)
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -146,6 +147,8 @@ class Decoder:
     def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, generator, result: DecodeResult,
               on_tokens: TokenCallback | None, start: float, stop: StopCondition | None) -> None:
         stats = result.stats
+        if sampling.repetition_penalty != 1.0:           # the target's level, for a penalized draft
+            self._logit_level = float(logits.logsumexp(-1))
         emitted = [int(sample(self._penalized(logits[None], None, sampling)[0], sampling, generator))]
         while True:
             count, stats.stop_reason = self._cut(emitted, result.token_ids, stop)
@@ -182,7 +185,8 @@ class Decoder:
         tree, slots, draft_seconds = Tree.root_only(root), None, 0.0
         if budget > 1 and self.speculator:
             growth = self.config.growth(budget, self.config.max_new_tokens - stats.num_new_tokens)
-            tree, slots = self.speculator.propose(self.cached_ids, root, growth)
+            tree, slots = self.speculator.propose(self.cached_ids, root, growth, sampling.repetition_penalty,
+                                                  self._logit_level)
             draft_seconds = self.speculator.forward_seconds
         verified = time.perf_counter()
         output = self._verify_pass(tree)
@@ -191,6 +195,8 @@ class Decoder:
         choices = target_choices(logits, sampling, generator).to(tree.tokens.device)
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
+        if sampling.repetition_penalty != 1.0:       # the level at the newest position, for the next tree
+            self._logit_level = float(output.logits[0, path[-1]].logsumexp(-1))
         yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
         if not self.policy.is_lossless:      # accepted tokens that are not the target's own choice
             stats.policy_accepted += int((~matches_target(tree, choices))[path[1:]].sum())

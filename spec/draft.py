@@ -25,6 +25,7 @@ from offload.resident import to_device
 from offload.sources import resolve_model
 from offload.stream import StreamingLayers
 from .draft_folder import is_draft_folder, read_draft_info, read_draft_tensors, target_embedding
+from .sampling import penalize_repetition
 from .tokenizer_match import check_tokenizers_match
 from .vocab_map import expand_to_target_vocab
 
@@ -115,6 +116,9 @@ class Draft:
             rows = min(loaded.config.vocab_size, target_vocab_size)
             self.vocab_map = torch.arange(rows, device=loaded.model.device)
         self.num_rows = self.vocab_map.numel()
+        # target id -> draft row, num_rows where the draft has none (a padding column when penalizing)
+        self.row_of = torch.full((target_vocab_size,), self.num_rows, dtype=torch.long, device=self.vocab_map.device)
+        self.row_of[self.vocab_map] = torch.arange(self.num_rows, device=self.vocab_map.device)
 
     @property
     def path(self) -> Path:
@@ -128,12 +132,22 @@ class Draft:
         return self.loaded.device_bytes - shared
 
     def log_probs(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
-                  mask: Tensor | None = None, last_only: bool = False, keep_pending: bool = False) -> Tensor:
-        """tokens [1, N] -> [N, K] float32 log-probabilities over the draft's rows (or [1, K] last_only)."""
+                  mask: Tensor | None = None, last_only: bool = False, keep_pending: bool = False,
+                  seen: Tensor | None = None, penalty: float = 1.0, logit_level: float = 0.0) -> Tensor:
+        """tokens [1, N] -> [N, K] float32 log-probabilities over the draft's rows (or [1, K] last_only).
+        With `seen` [N or 1, M] target ids: the target's repetition penalty. The rule depends on the logits'
+        level (positive ones are divided, negative ones multiplied) and a distilled draft's logits sit lower
+        than its target's (top-1 ~13 vs ~25 on the default pair), so the rows are first shifted, all by one
+        constant, to the target's log-sum-exp at the newest position, `logit_level`."""
         forward = self.model.forward_trimmed if self.is_trimmed else self.model.forward
         logits = forward(tokens, cache, positions, mask, last_only=last_only, keep_pending=keep_pending).logits
-        logits = logits[..., :self.num_rows]
-        return torch.log_softmax(logits[0].float(), dim=-1)
+        logits = logits[0, :, :self.num_rows].float()                                   # [N, K]
+        if seen is not None and penalty != 1.0:
+            logits = logits - logits.logsumexp(-1).mean() + logit_level
+            padded = torch.cat((logits, logits.new_zeros(logits.shape[0], 1)), dim=1)  # column K: no row
+            rows = self.row_of[seen.to(self.row_of.device)].expand(logits.shape[0], -1)
+            logits = penalize_repetition(padded, rows, penalty)[:, :self.num_rows]
+        return torch.log_softmax(logits, dim=-1)
 
     def close(self) -> None:
         self.loaded.layers.close()

@@ -41,15 +41,20 @@ class Speculator:
             self.reset()
         self.cache.truncate(self.cache.length)
 
-    def propose(self, committed_ids: list[int], root: int, config: GrowthConfig) -> tuple[Tree, Tensor]:
-        """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node)."""
+    def propose(self, committed_ids: list[int], root: int, config: GrowthConfig,
+                penalty: float = 1.0, logit_level: float = 0.0) -> tuple[Tree, Tensor]:
+        """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node). With a
+        repetition `penalty`, the draft proposes as the penalized target would choose (`logit_level`: the
+        target's recent log-sum-exp, see Draft.log_probs)."""
         start = time.perf_counter()
         sequence = committed_ids + [root]
-        root_logprobs = self._catch_up(sequence)
+        context = torch.tensor(sorted(set(sequence))) if penalty != 1.0 else None       # [M] target ids
+        root_logprobs = self._catch_up(sequence, context, penalty, logit_level)
         if self.lookup is not None:
             self.lookup.sync(sequence)
         before_root = committed_ids[-1] if committed_ids else None
-        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config, before_root)
+        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config, before_root, context, penalty,
+                                       logit_level)
         self.draft.model.synchronize()
         self.forward_seconds = time.perf_counter() - start
         return tree, slots
@@ -61,8 +66,10 @@ class Speculator:
         self.cache.commit(kept)
         self.cached_ids.extend(tree.tokens[nodes].tolist())
 
-    def _catch_up(self, sequence: list[int]) -> Tensor:
-        """Brings the committed draft cache to `sequence` -> [K] draft log-probabilities after it."""
+    def _catch_up(self, sequence: list[int], context: Tensor | None = None, penalty: float = 1.0,
+                  logit_level: float = 0.0) -> Tensor:
+        """Brings the committed draft cache to `sequence` -> [K] draft log-probabilities after it (with the
+        repetition penalty over `context` [M])."""
         common = 0
         for seen, wanted in zip(self.cached_ids, sequence):
             if seen != wanted:
@@ -74,7 +81,9 @@ class Speculator:
         rest = sequence[common:]
         for begin in range(0, len(rest), self.max_pass_tokens):
             chunk = rest[begin:begin + self.max_pass_tokens]
-            logprobs = self.draft.log_probs(torch.tensor([chunk]), self.cache, last_only=True)
+            logprobs = self.draft.log_probs(torch.tensor([chunk]), self.cache, last_only=True,
+                                            seen=None if context is None else context[None], penalty=penalty,
+                                            logit_level=logit_level)
             self.cache.commit()
             self.cached_ids.extend(chunk)
         return logprobs[-1]

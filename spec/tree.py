@@ -46,11 +46,7 @@ class Tree:
 
     def path_tokens(self) -> Tensor:
         """[N, max depth + 1]: each node's tokens from itself up to the root, padded with its own token."""
-        columns, current = [self.tokens], self.parents
-        while bool((current >= 0).any()):
-            columns.append(torch.where(current >= 0, self.tokens[current.clamp(min=0)], self.tokens))
-            current = torch.where(current >= 0, self.parents[current.clamp(min=0)], current)
-        return torch.stack(columns, dim=1)
+        return path_tokens(self.tokens, self.parents, torch.arange(self.num_nodes, device=self.tokens.device))
 
     @property
     def num_nodes(self) -> int:
@@ -92,3 +88,14 @@ class Tree:
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         return path[::-1]
+
+
+def path_tokens(tokens: Tensor, parents: Tensor, nodes: Tensor) -> Tensor:
+    """tokens, parents [N] of a tree; nodes [W] -> [W, D]: each node's token, then its ancestors' up to the
+    root, padded with its own token (a repetition penalty's context along the path)."""
+    own = tokens[nodes]
+    columns, current = [own], parents[nodes]
+    while bool((current >= 0).any()):
+        columns.append(torch.where(current >= 0, tokens[current.clamp(min=0)], own))
+        current = torch.where(current >= 0, parents[current.clamp(min=0)], current)
+    return torch.stack(columns, dim=1)

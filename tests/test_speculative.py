@@ -86,6 +86,23 @@ def test_greedy_speculation_with_a_repetition_penalty_equals_target_greedy(pairs
     assert changed                                   # the penalty really changes answers
 
 
+def test_the_draft_proposes_with_the_targets_repetition_penalty(pairs):
+    """A draft's penalized log-probabilities: its logits, shifted to `logit_level`, through the target's rule
+    over the seen ids (here the level is the draft's own log-sum-exp, so the shift is zero)."""
+    from spec.sampling import penalize_repetition
+    target_folder, close, _ = pairs(1)
+    _, draft = load_pair(target_folder, close)
+    cache = draft.model.new_cache(16)
+    logits = draft.model.forward(torch.tensor([[3, 9, 27]]), cache, last_only=True).logits[0, :, :draft.num_rows]
+    cache.truncate(0)
+    seen = torch.tensor([[9, 27, 27, 3]])
+    got = draft.log_probs(torch.tensor([[3, 9, 27]]), cache, last_only=True, seen=seen, penalty=1.7,
+                          logit_level=float(logits.logsumexp(-1)))
+    expected = torch.log_softmax(penalize_repetition(logits.float(), seen, 1.7), dim=-1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, torch.log_softmax(logits.float(), dim=-1))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tier", ["device", "ram"])
