@@ -62,6 +62,11 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--repetition-penalty", type=float, default=1.0,
                        help="divide the logits of tokens already in the context by this (> 1 discourages "
                             "repeats; speculation stays exact) (default: 1.0 = off)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="OpenAI's: subtract this from the logit of every token already in the answer "
+                            "(default: 0 = off)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="OpenAI's: subtract this times the token's count in the answer (default: 0 = off)")
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="end the answer before this text (repeatable; default: none)")
 
@@ -93,7 +98,8 @@ def _sampling(args):
     from spec import SamplingConfig
     if args.stop:
         check_stop_strings(args.stop)
-    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.repetition_penalty)
+    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.repetition_penalty,
+                          args.presence_penalty, args.frequency_penalty)
 
 
 def _session(args, console):

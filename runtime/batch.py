@@ -1,7 +1,8 @@
 """Resumable batch runs over JSONL.
 
 Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `url`, `body.messages`,
-`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`, vLLM's `body.repetition_penalty`). Output: one OpenAI batch-output line per
+`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`, `body.presence_penalty`,
+`body.frequency_penalty`, vLLM's `body.repetition_penalty`). Output: one OpenAI batch-output line per
 input, flushed and fsynced as it completes; a rerun skips ids already in the output. A request for
 an endpoint we do not serve (`url` other than /v1/chat/completions) gets an error line, as OpenAI's
 and vLLM's batch runners write, so the output accounts for every request.
@@ -30,6 +31,8 @@ class BatchItem:
     top_p: float | None = None
     stop: list[str] | None = None   # stop strings (None: the command line's)
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     error: str | None = None        # set: answered with an error line, never generated
 
 
@@ -67,12 +70,19 @@ def parse_line(text: str) -> BatchItem:
                 raise ValueError("each message needs a role and a string content")
         return BatchItem(str(raw["custom_id"]), body["messages"], _opt(body, "max_tokens", int),
                          _opt(body, "temperature", float), _opt(body, "top_p", float), _stop(body),
-                         _opt(body, "repetition_penalty", float))
+                         *_penalties(body))
     if "id" in raw and isinstance(raw.get("prompt"), str):
         return BatchItem(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}],
                          _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float),
-                         _stop(raw), _opt(raw, "repetition_penalty", float))
+                         _stop(raw), *_penalties(raw))
     raise ValueError('expected {"id", "prompt"} or an OpenAI batch line with custom_id and body')
+
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _penalties(raw: dict) -> list[float | None]:
+    return [_opt(raw, name, float) for name in PENALTIES]
 
 
 def _stop(raw: dict) -> list[str] | None:
@@ -175,8 +185,8 @@ def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_n
 
 
 def _item_sampling(item: BatchItem, sampling: SamplingConfig) -> SamplingConfig:
-    changes = {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p),
-                                 ("repetition_penalty", item.repetition_penalty)) if v is not None}
+    named = [(name, getattr(item, name)) for name in ("temperature", "top_p", *PENALTIES)]
+    changes = {name: value for name, value in named if value is not None}
     return replace(sampling, **changes) if changes else sampling
 
 

@@ -13,7 +13,8 @@ import torch
 
 from offload import DecoderModel, ForwardOutput, KVCache
 from .grow import MAX_CHILDREN, MAX_DEPTH, GrowthConfig
-from .sampling import SamplingConfig, make_generator, penalize_repetition, sample
+from .penalties import Penalties
+from .sampling import SamplingConfig, make_generator, sample
 from .speculator import Speculator
 from .stats import DecodeStats
 from .tree import Tree
@@ -149,7 +150,10 @@ class Decoder:
         stats = result.stats
         if sampling.repetition_penalty != 1.0:           # the target's level, for a penalized draft
             self._logit_level = float(logits.logsumexp(-1))
-        emitted = [int(sample(self._penalized(logits[None], None, sampling)[0], sampling, generator))]
+        penalties = Penalties.before(sampling, self.cached_ids, [])
+        if penalties:
+            logits = penalties.apply(logits[None], torch.empty(1, 0, dtype=torch.long))[0]
+        emitted = [int(sample(logits, sampling, generator))]
         while True:
             count, stats.stop_reason = self._cut(emitted, result.token_ids, stop)
             result.token_ids.extend(emitted[:count])
@@ -163,7 +167,7 @@ class Decoder:
             if self.cache.length + 1 >= self.config.max_context:
                 stats.stop_reason = "context"
                 return
-            emitted = self._step(emitted[-1], sampling, generator, stats)
+            emitted = self._step(result.token_ids, sampling, generator, stats)
 
     def _cut(self, emitted: list[int], answer: list[int], stop: StopCondition | None) -> tuple[int, str]:
         """How many of a step's tokens to emit after `answer`, and why generation stops there ("" if it
@@ -177,21 +181,24 @@ class Decoder:
                 return index, "length"
         return len(emitted), ""
 
-    def _step(self, root: int, sampling: SamplingConfig, generator, stats: DecodeStats) -> list[int]:
-        """One target pass over a tree rooted at `root` -> the tokens it yields (accepted path + the
-        target's token after it). Commits the root and the accepted nodes in both caches."""
+    def _step(self, answer: list[int], sampling: SamplingConfig, generator, stats: DecodeStats) -> list[int]:
+        """One target pass over a tree rooted at the answer's last token -> the tokens it yields (accepted
+        path + the target's token after it). Commits the root and the accepted nodes in both caches."""
         began = time.perf_counter()
+        root = answer[-1]
+        penalties = Penalties.before(sampling, self.cached_ids, answer[:-1], self._logit_level)
         budget = self._fitting_budget()
         tree, slots, draft_seconds = Tree.root_only(root), None, 0.0
         if budget > 1 and self.speculator:
             growth = self.config.growth(budget, self.config.max_new_tokens - stats.num_new_tokens)
-            tree, slots = self.speculator.propose(self.cached_ids, root, growth, sampling.repetition_penalty,
-                                                  self._logit_level)
+            tree, slots = self.speculator.propose(self.cached_ids, root, growth, penalties)
             draft_seconds = self.speculator.forward_seconds
         verified = time.perf_counter()
         output = self._verify_pass(tree)
         target_seconds = time.perf_counter() - verified
-        logits = self._penalized(output.logits[0], tree, sampling)                     # [N, V]
+        logits = output.logits[0]                                                      # [N, V]
+        if penalties:
+            logits = penalties.apply(logits, tree.path_tokens().to(logits.device))
         choices = target_choices(logits, sampling, generator).to(tree.tokens.device)
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
@@ -208,16 +215,6 @@ class Decoder:
         stats.record_step(budget, tree.num_nodes, len(yielded), draft_seconds, target_seconds, overhead)
         self.budget.observe(tree.num_nodes, path[1:], draft_seconds, overhead, target_seconds)
         return yielded
-
-    def _penalized(self, logits: torch.Tensor, tree: Tree | None, sampling: SamplingConfig) -> torch.Tensor:
-        """logits [N, V] at the tree's nodes (None: after the committed tokens alone) with the repetition
-        penalty over each node's context: the committed tokens and its path from the root."""
-        if sampling.repetition_penalty == 1.0:
-            return logits
-        seen = torch.tensor(sorted(set(self.cached_ids)), device=logits.device)[None].expand(logits.shape[0], -1)
-        if tree is not None:
-            seen = torch.cat((seen, tree.path_tokens().to(logits.device)), dim=1)
-        return penalize_repetition(logits, seen, sampling.repetition_penalty)
 
     def _fitting_budget(self) -> int:
         """The policy's tree size, shrunk to what the context window and the engine's workspace hold

@@ -25,7 +25,7 @@ from offload.resident import to_device
 from offload.sources import resolve_model
 from offload.stream import StreamingLayers
 from .draft_folder import is_draft_folder, read_draft_info, read_draft_tensors, target_embedding
-from .sampling import penalize_repetition
+from .penalties import Penalties
 from .tokenizer_match import check_tokenizers_match
 from .vocab_map import expand_to_target_vocab
 
@@ -133,20 +133,20 @@ class Draft:
 
     def log_probs(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                   mask: Tensor | None = None, last_only: bool = False, keep_pending: bool = False,
-                  seen: Tensor | None = None, penalty: float = 1.0, logit_level: float = 0.0) -> Tensor:
-        """tokens [1, N] -> [N, K] float32 log-probabilities over the draft's rows (or [1, K] last_only).
-        With `seen` [N or 1, M] target ids: the target's repetition penalty. The rule depends on the logits'
-        level (positive ones are divided, negative ones multiplied) and a distilled draft's logits sit lower
-        than its target's (top-1 ~13 vs ~25 on the default pair), so the rows are first shifted, all by one
-        constant, to the target's log-sum-exp at the newest position, `logit_level`."""
+                  penalties: Penalties | None = None, paths: Tensor | None = None) -> Tensor:
+        """tokens [1, N] -> [N, K] float32 log-probabilities over the draft's rows (or [1, K] last_only),
+        under the target's sampling `penalties` when given (paths [N, D]: each row's node and ancestors up
+        to the tree's root). The repetition penalty depends on the logits' level (positive ones are divided,
+        negative ones multiplied) and a distilled draft's logits sit lower than its target's (top-1 ~13 vs
+        ~25 on the default pair), so the rows are first shifted, all by one constant, to the target's
+        log-sum-exp at the newest position; presence and frequency penalties do not depend on it."""
         forward = self.model.forward_trimmed if self.is_trimmed else self.model.forward
         logits = forward(tokens, cache, positions, mask, last_only=last_only, keep_pending=keep_pending).logits
         logits = logits[0, :, :self.num_rows].float()                                   # [N, K]
-        if seen is not None and penalty != 1.0:
-            logits = logits - logits.logsumexp(-1).mean() + logit_level
-            padded = torch.cat((logits, logits.new_zeros(logits.shape[0], 1)), dim=1)  # column K: no row
-            rows = self.row_of[seen.to(self.row_of.device)].expand(logits.shape[0], -1)
-            logits = penalize_repetition(padded, rows, penalty)[:, :self.num_rows]
+        if penalties is not None:
+            if penalties.repetition != 1.0:
+                logits = logits - logits.logsumexp(-1).mean() + penalties.logit_level
+            logits = penalties.apply(logits, paths, self.row_of)
         return torch.log_softmax(logits, dim=-1)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from torch import Tensor
 from offload import KVCache
 from .draft import Draft
 from .lookup import LOOKUP_LOGPROB, ContextLookup
+from .penalties import Penalties
 from .tree import Tree, path_tokens
 
 NOT_EXPANDED = -1
@@ -137,17 +138,15 @@ class TreeGrower:
         self.draft, self.cache, self.lookup = draft, cache, lookup
         self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row
         self.num_draft_forwards = 0
-        self.context: Tensor | None = None               # the current tree's repetition-penalty context
-        self.penalty, self.logit_level = 1.0, 0.0
+        self.penalties: Penalties | None = None           # the current tree's sampling penalties
 
     def grow(self, root_token: int, root_logprobs: Tensor, root_position: int,
-             config: GrowthConfig, before_root: int | None = None, context: Tensor | None = None,
-             penalty: float = 1.0, logit_level: float = 0.0) -> tuple[Tree, Tensor]:
+             config: GrowthConfig, before_root: int | None = None,
+             penalties: Penalties | None = None) -> tuple[Tree, Tensor]:
         """root_logprobs [K]: the draft at the root; before_root: the committed token before it (for
-        context lookup); context [M]: the committed target ids a repetition `penalty` covers, besides each
-        node's path (see Draft.log_probs for `logit_level`). -> (tree in best-first order, [N] draft slots),
-        both on the host."""
-        self.context, self.penalty, self.logit_level = context, penalty, logit_level
+        context lookup); penalties: the target's sampling penalties before the root. -> (tree in best-first
+        order, [N] draft slots), both on the host."""
+        self.penalties = penalties
         pool = _Pool(root_token)
         if config.budget == 1 or config.max_depth == 0:
             return pool.best_first()
@@ -179,12 +178,9 @@ class TreeGrower:
         first_slot = self.cache.num_slots
         mask = self._mask(pool, chosen)
         positions = (root_position + pool.depths[chosen])[None]
-        seen = None
-        if self.penalty != 1.0 and self.context is not None:
-            path = path_tokens(pool.tokens, pool.parents, chosen)                        # [W, D]
-            seen = torch.cat((self.context[None].expand(chosen.numel(), -1), path), dim=1)
+        paths = path_tokens(pool.tokens, pool.parents, chosen) if self.penalties else None   # [W, D]
         logq = self.draft.log_probs(pool.tokens[chosen][None], self.cache, positions, mask, keep_pending=True,
-                                    seen=seen, penalty=self.penalty, logit_level=self.logit_level)
+                                    penalties=self.penalties, paths=paths)
         pool.slots[chosen] = first_slot + torch.arange(chosen.numel())
         self.num_draft_forwards += 1
         return logq

@@ -15,6 +15,8 @@ class SamplingConfig:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0   # > 1 discourages tokens already in the context (1: off)
+    presence_penalty: float = 0.0     # OpenAI's, over the answer so far (0: off)
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -27,10 +29,17 @@ class SamplingConfig:
             raise ValueError(f"min-p must lie in [0, 1), got {self.min_p}")
         if not 0 < self.repetition_penalty <= 10:
             raise ValueError(f"repetition penalty must lie in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence", "frequency"):
+            if not -2 <= getattr(self, f"{name}_penalty") <= 2:
+                raise ValueError(f"{name} penalty must lie in [-2, 2], got {getattr(self, f'{name}_penalty')}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def make_generator(config: SamplingConfig, device: torch.device) -> torch.Generator | None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from .draft import Draft
 from .grow import GrowthConfig, TreeGrower
 from .lookup import ContextLookup
+from .penalties import Penalties
 from .tree import Tree
 
 
@@ -42,19 +43,16 @@ class Speculator:
         self.cache.truncate(self.cache.length)
 
     def propose(self, committed_ids: list[int], root: int, config: GrowthConfig,
-                penalty: float = 1.0, logit_level: float = 0.0) -> tuple[Tree, Tensor]:
-        """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node). With a
-        repetition `penalty`, the draft proposes as the penalized target would choose (`logit_level`: the
-        target's recent log-sum-exp, see Draft.log_probs)."""
+                penalties: Penalties | None = None) -> tuple[Tree, Tensor]:
+        """A tree rooted at `root` (position len(committed_ids)) -> (tree, [N] draft slot per node). Under
+        the target's sampling `penalties` the draft proposes as the penalized target would choose."""
         start = time.perf_counter()
         sequence = committed_ids + [root]
-        context = torch.tensor(sorted(set(sequence))) if penalty != 1.0 else None       # [M] target ids
-        root_logprobs = self._catch_up(sequence, context, penalty, logit_level)
+        root_logprobs = self._catch_up(sequence, penalties)
         if self.lookup is not None:
             self.lookup.sync(sequence)
         before_root = committed_ids[-1] if committed_ids else None
-        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config, before_root, context, penalty,
-                                       logit_level)
+        tree, slots = self.grower.grow(root, root_logprobs, len(committed_ids), config, before_root, penalties)
         self.draft.model.synchronize()
         self.forward_seconds = time.perf_counter() - start
         return tree, slots
@@ -66,10 +64,10 @@ class Speculator:
         self.cache.commit(kept)
         self.cached_ids.extend(tree.tokens[nodes].tolist())
 
-    def _catch_up(self, sequence: list[int], context: Tensor | None = None, penalty: float = 1.0,
-                  logit_level: float = 0.0) -> Tensor:
-        """Brings the committed draft cache to `sequence` -> [K] draft log-probabilities after it (with the
-        repetition penalty over `context` [M])."""
+    def _catch_up(self, sequence: list[int], penalties: Penalties | None = None) -> Tensor:
+        """Brings the committed draft cache to `sequence` (its last token the root) -> [K] draft
+        log-probabilities after it, under `penalties`."""
+        root_path = torch.tensor([sequence[-1:]])                                      # [1, 1]
         common = 0
         for seen, wanted in zip(self.cached_ids, sequence):
             if seen != wanted:
@@ -82,8 +80,7 @@ class Speculator:
         for begin in range(0, len(rest), self.max_pass_tokens):
             chunk = rest[begin:begin + self.max_pass_tokens]
             logprobs = self.draft.log_probs(torch.tensor([chunk]), self.cache, last_only=True,
-                                            seen=None if context is None else context[None], penalty=penalty,
-                                            logit_level=logit_level)
+                                            penalties=penalties, paths=root_path)
             self.cache.commit()
             self.cached_ids.extend(chunk)
         return logprobs[-1]

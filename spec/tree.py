@@ -45,7 +45,7 @@ class Tree:
                    torch.tensor(logprobs if logprobs is not None else [0.0] * len(tokens), dtype=torch.float32))
 
     def path_tokens(self) -> Tensor:
-        """[N, max depth + 1]: each node's tokens from itself up to the root, padded with its own token."""
+        """[N, max depth + 1]: each node's tokens from itself up to the root, padded with -1."""
         return path_tokens(self.tokens, self.parents, torch.arange(self.num_nodes, device=self.tokens.device))
 
     @property
@@ -92,10 +92,9 @@ class Tree:
 
 def path_tokens(tokens: Tensor, parents: Tensor, nodes: Tensor) -> Tensor:
     """tokens, parents [N] of a tree; nodes [W] -> [W, D]: each node's token, then its ancestors' up to the
-    root, padded with its own token (a repetition penalty's context along the path)."""
-    own = tokens[nodes]
-    columns, current = [own], parents[nodes]
+    root, padded with -1 (what sampling penalties see along the path)."""
+    columns, current = [tokens[nodes]], parents[nodes]
     while bool((current >= 0).any()):
-        columns.append(torch.where(current >= 0, tokens[current.clamp(min=0)], own))
+        columns.append(torch.where(current >= 0, tokens[current.clamp(min=0)], -1))
         current = torch.where(current >= 0, parents[current.clamp(min=0)], current)
     return torch.stack(columns, dim=1)

@@ -109,3 +109,12 @@ def test_unsupported_url_is_reported_and_answered_with_an_error_line(tmp_path):
     calls.clear()
     run_batch(source, out, counting, SamplingConfig(), 8, "m")   # a rerun writes nothing twice
     assert calls == [] and len(out.read_text().splitlines()) == 2
+
+
+def test_batch_lines_take_the_penalties():
+    line = {"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5,
+                                       "frequency_penalty": 1, "repetition_penalty": 1.2}}
+    item = parse_line(json.dumps(line))
+    assert (item.presence_penalty, item.frequency_penalty, item.repetition_penalty) == (0.5, 1.0, 1.2)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        parse_line(json.dumps({"id": "b", "prompt": "hi", "presence_penalty": "high"}))

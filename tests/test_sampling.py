@@ -166,3 +166,18 @@ def test_repetition_penalty_matches_transformers(penalty):
 def test_repetition_penalty_out_of_range_is_refused(penalty):
     with pytest.raises(ValueError, match="repetition penalty"):
         SamplingConfig(repetition_penalty=penalty)
+
+
+def test_presence_and_frequency_penalties_follow_the_counts():
+    from spec.penalties import penalize_occurrences
+    logits = torch.zeros(2, 6)
+    seen = torch.tensor([[1, 1, 1, 4], [5, 0, 5, 5]])
+    out = penalize_occurrences(logits, seen, presence=0.5, frequency=0.25)
+    assert out[0].tolist() == [0, -1.25, 0, 0, -0.75, 0] and out[1].tolist() == [-0.75, 0, 0, 0, 0, -1.25]
+    assert logits.eq(0).all()                          # the input is left as it was
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_openai_penalties_out_of_range_are_refused(name):
+    with pytest.raises(ValueError, match=name.replace("_", " ")):
+        SamplingConfig(**{name: 2.5})

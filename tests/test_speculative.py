@@ -69,11 +69,16 @@ def test_greedy_speculation_equals_target_greedy_for_every_budget(pairs, seed):
                 assert result.stats.stop_reason == reference.stats.stop_reason
 
 
+PENALTIES = [{"repetition_penalty": 1.5}, {"presence_penalty": 1.0, "frequency_penalty": 0.5},
+             {"repetition_penalty": 1.2, "frequency_penalty": -0.4}]
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_greedy_speculation_with_a_repetition_penalty_equals_target_greedy(pairs, seed):
+@pytest.mark.parametrize("penalties", PENALTIES, ids=lambda p: ",".join(p))
+def test_greedy_speculation_with_penalties_equals_target_greedy(pairs, seed, penalties):
     """Each tree node is penalized over its own context (the committed tokens and its path)."""
     target_folder, close, far = pairs(seed)
-    penalized = SamplingConfig(repetition_penalty=1.5)
+    penalized = SamplingConfig(**penalties)
     changed = 0
     for draft_folder in (close, far):
         target, draft = load_pair(target_folder, draft_folder)
@@ -86,19 +91,41 @@ def test_greedy_speculation_with_a_repetition_penalty_equals_target_greedy(pairs
     assert changed                                   # the penalty really changes answers
 
 
+@pytest.mark.parametrize("penalties", PENALTIES, ids=lambda p: ",".join(p))
+def test_penalized_decoding_equals_a_plain_loop(pairs, penalties):
+    """One-token decoding with penalties against a loop written from the definitions: the whole sequence
+    through a fresh forward each step, transformers' repetition processor over prompt and answer, then
+    presence and frequency over the answer's token counts, argmax."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    target_folder, _, _ = pairs(0)
+    target, _ = load_pair(target_folder, target_folder)
+    config = SamplingConfig(**penalties)
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        for _ in range(16):
+            logits = target.model.forward(torch.tensor([ids]), target.model.new_cache(CONTEXT)).logits[0, -1:]
+            logits = RepetitionPenaltyLogitsProcessor(config.repetition_penalty)(torch.tensor([ids]), logits)[0]
+            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=VOCAB).float()
+            logits = logits - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
+            ids.append(int(logits.argmax()))
+        _, result = decode(target, None, prompt, 1, max_new=16, sampling=config, stop_ids=set())
+        assert result.token_ids == ids[len(prompt):], (prompt, penalties)
+
+
 def test_the_draft_proposes_with_the_targets_repetition_penalty(pairs):
     """A draft's penalized log-probabilities: its logits, shifted to `logit_level`, through the target's rule
     over the seen ids (here the level is the draft's own log-sum-exp, so the shift is zero)."""
+    from spec.penalties import Penalties
     from spec.sampling import penalize_repetition
     target_folder, close, _ = pairs(1)
     _, draft = load_pair(target_folder, close)
     cache = draft.model.new_cache(16)
     logits = draft.model.forward(torch.tensor([[3, 9, 27]]), cache, last_only=True).logits[0, :, :draft.num_rows]
     cache.truncate(0)
-    seen = torch.tensor([[9, 27, 27, 3]])
-    got = draft.log_probs(torch.tensor([[3, 9, 27]]), cache, last_only=True, seen=seen, penalty=1.7,
-                          logit_level=float(logits.logsumexp(-1)))
-    expected = torch.log_softmax(penalize_repetition(logits.float(), seen, 1.7), dim=-1)
+    penalties = Penalties(1.7, 0.0, 0.0, torch.tensor([3, 9]), torch.tensor([9, 9]), float(logits.logsumexp(-1)))
+    got = draft.log_probs(torch.tensor([[3, 9, 27]]), cache, last_only=True, penalties=penalties,
+                          paths=torch.tensor([[27, -1]]))
+    expected = torch.log_softmax(penalize_repetition(logits.float(), torch.tensor([[3, 9, 27]]), 1.7), dim=-1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert not torch.allclose(got, torch.log_softmax(logits.float(), dim=-1))
 

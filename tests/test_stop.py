@@ -94,3 +94,4 @@ def test_run_stops_before_the_stop_string_speculative_or_not():
         assert report["text"] == free[:free.find(word)] and report["stop_reason"] == "stop_string"
     done = cli("run", "hi", "--stop", "")
     assert done.returncode != 0 and "Traceback" not in done.stderr and "non-empty" in done.stderr
+

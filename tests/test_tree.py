@@ -184,5 +184,5 @@ def test_growth_adds_the_context_lookup_child_and_expands_it_causally(tiny_draft
 
 def test_path_tokens_list_each_nodes_tokens_up_to_the_root():
     tree = Tree.from_parents([10, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
-    assert tree.path_tokens().tolist() == [[10, 10, 10, 10], [11, 10, 11, 11], [12, 10, 12, 12],
-                                           [13, 11, 10, 13], [14, 13, 11, 10]]
+    assert tree.path_tokens().tolist() == [[10, -1, -1, -1], [11, 10, -1, -1], [12, 10, -1, -1],
+                                           [13, 11, 10, -1], [14, 13, 11, 10]]
