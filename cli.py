@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Run large language models on one consumer GPU or a CPU.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="answer one prompt, streaming the text")
-    run.add_argument("prompt", help="the user message (or raw text with --raw)")
+    run.add_argument("prompt", help="the user message (or raw text with --raw); - reads it from stdin")
     run.add_argument("--system", default=None, help="add a system turn (default: the template's own)")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats at the end")
@@ -145,6 +145,10 @@ def _messages(system: str | None, history: list[dict[str, str]]) -> list[dict[st
 
 
 def cmd_run(args, console) -> int:
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+        if not args.prompt.strip():
+            raise ValueError("run -: no prompt on stdin")
     sampling = _sampling(args)
     session = _session(args, console)
     if args.raw:

@@ -199,3 +199,11 @@ def test_batch_with_the_judge_says_it_is_lossy(tmp_path):
     said = " ".join(result.stderr.split())                     # rich wraps lines at the terminal width
     assert "lossy decoding" in said and "lossy: the judge accepted" in said
     assert json.loads((tmp_path / "out.jsonl").read_text())["custom_id"] == "a"
+
+
+def test_run_reads_the_prompt_from_stdin():
+    piped = cli("run", "-", "--json", "--no-draft", input="What is 2+2?\n")
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["text"] == "The answer to this classic math problem is 4."
+    empty = cli("run", "-", "--no-draft", input="  \n")
+    assert empty.returncode != 0 and "no prompt on stdin" in empty.stderr and "Traceback" not in empty.stderr
