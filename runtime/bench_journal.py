@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from offload.gguf_import import cache_root
@@ -19,19 +19,33 @@ from spec.stats import DecodeStats
 JOURNAL_FORMAT = "specstream-bench-journal-1"
 
 
-def fingerprint(settings: dict) -> str:
+def fingerprint(settings) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class BenchJournal:
-    """Rows by key (a tuple of strings and ints); `resume=False` starts the journal afresh."""
+def changed_fields(instance) -> dict:
+    """A dataclass's fields that differ from their defaults: a settings fingerprint that a new field with
+    a default leaves unchanged, so a run journaled by an older version still resumes."""
+    changed = {}
+    for item in fields(instance):
+        default = item.default if item.default is not MISSING else (
+            item.default_factory() if item.default_factory is not MISSING else MISSING)
+        if getattr(instance, item.name) != default:
+            changed[item.name] = getattr(instance, item.name)
+    return changed
 
-    def __init__(self, bench: str, settings: dict, resume: bool, folder: Path | None = None) -> None:
+
+class BenchJournal:
+    """Rows by key (a tuple of strings and ints); `resume=False` starts the journal afresh; `read_only`
+    takes the rows and never writes."""
+
+    def __init__(self, bench: str, settings: dict, resume: bool, folder: Path | None = None,
+                 read_only: bool = False) -> None:
         key = fingerprint(settings)
         self.path = (folder or cache_root() / "bench_journal") / f"{bench}-{key}.jsonl"
-        self.rows: dict[tuple, dict] = self._read(key) if resume else {}
-        self.resumed = 0
-        if not self.rows:
+        self.rows: dict[tuple, dict] = self._read(key) if resume or read_only else {}
+        self.resumed, self.read_only = 0, read_only
+        if not self.rows and not read_only:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"format": JOURNAL_FORMAT, "fingerprint": key}) + "\n")
 
@@ -57,6 +71,8 @@ class BenchJournal:
         return value
 
     def put(self, value: dict, *key) -> None:
+        if self.read_only:
+            raise RuntimeError("a read-only journal takes no rows")
         self.rows[tuple(key)] = value
         with self.path.open("a") as file:
             file.write(json.dumps({"key": list(key), "value": value}) + "\n")

@@ -22,7 +22,7 @@ from spec import DecodeConfig, Decoder, DecodeResult, DecodeStats, FixedBudget, 
 from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
 from spec.draft import default_draft_for, load_any_draft
 from .auto_budget import _pass_seconds, auto_budget
-from .bench_journal import BenchJournal, fingerprint, result_from_dict, result_to_dict
+from .bench_journal import BenchJournal, changed_fields, fingerprint, result_from_dict, result_to_dict
 from .hf_draft import Peer, PeerRun, open_peer
 from .speculation import estimated_draft_bytes
 
@@ -275,9 +275,9 @@ def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: l
     bench_prompts = [BenchPrompt(tokenizer.encode_chat(messages), (sampling.seed or 0) + index)
                      for index, messages in enumerate(prompts)]
     device, dtype = choose_device(), dtype_name(choose_dtype(config.dtype, choose_device()))
-    settings = {**asdict(config), "draft": config.draft_spec, "target": str(target_folder),
-                "sampling": asdict(sampling), "device": str(device), "dtype": dtype}
-    journal = BenchJournal("spec", settings, resume or partial)
+    settings = {**changed_fields(config), "draft": config.draft_spec, "target": str(target_folder),
+                "sampling": changed_fields(sampling), "device": str(device), "dtype": dtype}
+    journal = BenchJournal("spec", settings, resume, read_only=partial)
     on_status(f"journal: {journal.path.name} ({len(journal.rows)} finished rows taken; a killed run resumes "
               f"with the same command and --resume)")
     if partial:

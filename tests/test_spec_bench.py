@@ -13,7 +13,7 @@ import torch
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from offload import LoadOptions, load_model
 from offload.weights import CheckpointSource
-from runtime.bench_journal import result_from_dict, result_to_dict
+from runtime.bench_journal import changed_fields, result_from_dict, result_to_dict
 from runtime.hf_draft import PeerRun, build_hf_draft, peer_report
 from runtime.spec_bench import SpecBenchConfig, load_options, row_report, run_spec_bench
 from spec import Decoder, DecodeResult, DecodeStats, SamplingConfig
@@ -136,8 +136,16 @@ def test_a_killed_bench_resumes_where_it_stopped(tiny_pair, tmp_path, monkeypatc
     assert afresh["resumed_rows"] == 0 and len(ran) == 2 + 8 and _figures(afresh) == _figures(full)
     other = SpecBenchConfig(str(target_folder), str(draft_folder), 10, [1, 8], ["resident"])
     assert run_spec_bench(other, SamplingConfig(), PROMPTS, resume=True)["resumed_rows"] == 0   # another journal
+    journals = sorted((tmp_path / "bench_journal").iterdir())
     with pytest.raises(ValueError, match="--partial: no prompt"):
         run_spec_bench(replace(other, budgets=[1, 4]), SamplingConfig(), PROMPTS, partial=True)
+    assert sorted((tmp_path / "bench_journal").iterdir()) == journals     # --partial writes nothing
+
+
+def test_the_settings_fingerprint_names_only_what_differs_from_the_defaults():
+    assert changed_fields(SamplingConfig()) == {} and changed_fields(SamplingConfig(seed=0)) == {"seed": 0}
+    assert changed_fields(SpecBenchConfig(budgets=[1, 4, 16, 64, 256, 1024, 4096])) == {}
+    assert changed_fields(SpecBenchConfig(budgets=[1024])) == {"budgets": [1024]}
 
 
 def _counting(generate, calls: list):
