@@ -31,6 +31,7 @@ def penalize_occurrences(logits: Tensor, seen: Tensor, presence: float, frequenc
 
 @dataclass(slots=True)
 class Penalties:
+    """A step's sampling penalties: what they cover before the tree's root; `apply` adds each node's path."""
     repetition: float
     presence: float
     frequency: float
