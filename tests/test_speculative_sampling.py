@@ -7,8 +7,11 @@ counts of (t2, t3) are compared with n(t1) * p(t2 | t1) * p(t3 | t1, t2) from th
 forward; the chi-square statistics of all t1 groups are summed. Significance level: 0.001 (a correct
 sampler fails this test once in a thousand seeds; the seeds are fixed, so the outcome is deterministic).
 """
+from dataclasses import replace
+
 import pytest
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from conftest import tiny_pair
 from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, probabilities
@@ -40,36 +43,46 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("sampling"), 7, VOCAB, 0.3, 32, 16)[2:]
 
 
-def target_distribution(target, prefix: list[int]) -> torch.Tensor:
-    """[V] the distribution the target samples from after `prefix` (temperature and top-p applied)."""
+PENALIZED = replace(SAMPLING, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.3)
+# with PENALIZED, seed ranges from 100k, 0, 200k, 300k gave p = 0.022, 0.34, 0.26, 0.45
+
+
+def target_distribution(target, prefix: list[int], sampling: SamplingConfig = SAMPLING) -> torch.Tensor:
+    """[V] the distribution the target samples from after `prefix` (PROMPT, then the answer): the
+    penalties written from their definitions (repetition over the whole prefix, as transformers' processor;
+    presence and frequency over the answer's counts), then temperature and top-p."""
     cache = target.model.new_cache(32)
     logits = target.model.forward(torch.tensor([prefix]), cache, last_only=True).logits[0, -1]
-    return probabilities(logits, SAMPLING)
+    logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(torch.tensor([prefix]), logits[None])[0]
+    counts = torch.bincount(torch.tensor(prefix[len(PROMPT):], dtype=torch.long), minlength=VOCAB).float()
+    logits = logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).float()
+    return probabilities(logits, sampling)
 
 
-def sample_runs(target, draft, policy) -> tuple[list[list[int]], float]:
+def sample_runs(target, draft, policy, base: SamplingConfig = SAMPLING) -> tuple[list[list[int]], float]:
     """(t1, t2, t3) of every run, and the share of runs whose first tree yielded both t2 and t3."""
     config = DecodeConfig(3, 32, max_pass_tokens=16, max_children=3)
     decoder = Decoder(target.model, set(), config, Speculator(draft, 32, 6, 16), FixedBudget(6), policy)
     runs, num_both = [], 0
     for seed in range(RUNS):
         decoder.reset()
-        sampling = SamplingConfig(SAMPLING.temperature, SAMPLING.top_p, seed=FIRST_SEED + seed)
+        sampling = replace(base, seed=FIRST_SEED + seed)
         result = decoder.generate(PROMPT, sampling)
         runs.append(result.token_ids)
         num_both += result.stats.num_steps == 1
     return runs, num_both / RUNS
 
 
-def chi_square_p_value(target, runs) -> tuple[float, int]:
+def chi_square_p_value(target, runs, sampling: SamplingConfig = SAMPLING) -> tuple[float, int]:
     """(p-value, degrees of freedom) of the summed chi-square over frequent t1 groups."""
     statistic, dof = 0.0, 0
     for t1 in range(VOCAB):
         group = [run[1:] for run in runs if run[0] == t1]
         if len(group) < MIN_GROUP:
             continue
-        first = target_distribution(target, PROMPT + [t1])
-        expected = torch.stack([first[t2] * target_distribution(target, PROMPT + [t1, t2]) for t2 in range(VOCAB)])
+        first = target_distribution(target, PROMPT + [t1], sampling)
+        expected = torch.stack([first[t2] * target_distribution(target, PROMPT + [t1, t2], sampling)
+                                for t2 in range(VOCAB)])
         observed = torch.zeros(VOCAB, VOCAB)
         for t2, t3 in group:
             observed[t2, t3] += 1
@@ -92,6 +105,18 @@ def test_speculative_sampling_matches_the_target_distribution(pair):
     p_value, dof = chi_square_p_value(target, runs)
     print(f"p = {p_value:.3g}, dof {dof}, one-tree share {one_tree_share:.2f}")
     assert p_value > ALPHA, (p_value, dof)
+
+
+def test_speculative_sampling_with_penalties_matches_the_penalized_target(pair):
+    """Repetition, presence and frequency penalties: each node's distribution is penalized over its own
+    path, so t2 and t3 from one tree follow the penalized target given t1 (and t2)."""
+    target, draft = pair
+    runs, one_tree_share = sample_runs(target, draft, ExactMatch(), PENALIZED)
+    assert one_tree_share > 0.2
+    p_value, dof = chi_square_p_value(target, runs, PENALIZED)
+    print(f"penalized: p = {p_value:.3g}, dof {dof}, one-tree share {one_tree_share:.2f}")
+    assert p_value > ALPHA, (p_value, dof)
+    assert chi_square_p_value(target, runs)[0] < ALPHA      # and they are not the unpenalized target's
 
 
 def test_the_same_test_rejects_a_broken_acceptance_rule(pair):
