@@ -1,8 +1,9 @@
 """Resumable batch runs over JSONL.
 
 Input lines: `{"id", "prompt"}` or OpenAI batch-file lines (`custom_id`, `url`, `body.messages`,
-`body.max_tokens`, `body.temperature`, `body.top_p`, `body.stop`, `body.presence_penalty`,
-`body.frequency_penalty`, vLLM's `body.repetition_penalty`). Output: one OpenAI batch-output line per
+`body.max_tokens` or `max_completion_tokens`, `temperature`, `top_p`, `stop`, `presence_penalty`,
+`frequency_penalty`, `seed`, vLLM's `repetition_penalty`; `n` > 1, `logprobs`, `tools` and a non-text
+`response_format` get an error line, never a silent answer). Output: one OpenAI batch-output line per
 input, flushed and fsynced as it completes; a rerun skips ids already in the output. A request for
 an endpoint we do not serve (`url` other than /v1/chat/completions) gets an error line, as OpenAI's
 and vLLM's batch runners write, so the output accounts for every request.
@@ -33,7 +34,9 @@ class BatchItem:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    seed: int | None = None
     error: str | None = None        # set: answered with an error line, never generated
+    error_code: str = "unsupported_url"
 
 
 @dataclass(slots=True)
@@ -68,21 +71,28 @@ def parse_line(text: str) -> BatchItem:
         for message in body["messages"]:
             if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
                 raise ValueError("each message needs a role and a string content")
-        return BatchItem(str(raw["custom_id"]), body["messages"], _opt(body, "max_tokens", int),
-                         _opt(body, "temperature", float), _opt(body, "top_p", float), _stop(body),
-                         *_penalties(body))
+        return _item(str(raw["custom_id"]), body["messages"], body)
     if "id" in raw and isinstance(raw.get("prompt"), str):
-        return BatchItem(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}],
-                         _opt(raw, "max_tokens", int), _opt(raw, "temperature", float), _opt(raw, "top_p", float),
-                         _stop(raw), *_penalties(raw))
+        return _item(str(raw["id"]), [{"role": "user", "content": raw["prompt"]}], raw)
     raise ValueError('expected {"id", "prompt"} or an OpenAI batch line with custom_id and body')
 
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+# request fields this runner cannot honour, answered with an error line rather than silently dropped
+UNSUPPORTED = {"n": lambda v: v not in (None, 1), "logprobs": bool, "top_logprobs": lambda v: v is not None,
+               "tools": bool, "functions": bool, "response_format": lambda v: v not in (None, {"type": "text"})}
 
 
-def _penalties(raw: dict) -> list[float | None]:
-    return [_opt(raw, name, float) for name in PENALTIES]
+def _item(item_id: str, messages: list[dict[str, str]], raw: dict) -> BatchItem:
+    """A request's settings (OpenAI's chat-completions fields; vLLM's repetition_penalty)."""
+    for name, unsupported in UNSUPPORTED.items():
+        if unsupported(raw.get(name)):
+            return BatchItem(item_id, [], error=f"{name}={raw[name]!r} is not supported by this runner",
+                             error_code="unsupported_parameter")
+    max_tokens = _opt(raw, "max_completion_tokens", int)
+    return BatchItem(item_id, messages, max_tokens if max_tokens is not None else _opt(raw, "max_tokens", int),
+                     _opt(raw, "temperature", float), _opt(raw, "top_p", float), _stop(raw),
+                     *[_opt(raw, name, float) for name in PENALTIES], _opt(raw, "seed", int))
 
 
 def _stop(raw: dict) -> list[str] | None:
@@ -174,7 +184,7 @@ def run_batch(in_path: Path, out_path: Path, generate: Generate, sampling: Sampl
 def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_new_tokens: int,
             model_name: str, summary: BatchSummary) -> dict:
     if item.error:
-        return _error_line(item, item.error, "unsupported_url")
+        return _error_line(item, item.error, item.error_code)
     try:
         text, report = generate(item, _item_sampling(item, sampling), item.max_tokens or max_new_tokens)
     except ValueError as err:
@@ -185,7 +195,7 @@ def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_n
 
 
 def _item_sampling(item: BatchItem, sampling: SamplingConfig) -> SamplingConfig:
-    named = [(name, getattr(item, name)) for name in ("temperature", "top_p", *PENALTIES)]
+    named = [(name, getattr(item, name)) for name in ("temperature", "top_p", *PENALTIES, "seed")]
     changes = {name: value for name, value in named if value is not None}
     return replace(sampling, **changes) if changes else sampling
 

@@ -118,3 +118,26 @@ def test_batch_lines_take_the_penalties():
     assert (item.presence_penalty, item.frequency_penalty, item.repetition_penalty) == (0.5, 1.0, 1.2)
     with pytest.raises(ValueError, match="presence_penalty"):
         parse_line(json.dumps({"id": "b", "prompt": "hi", "presence_penalty": "high"}))
+
+
+def test_requests_the_runner_cannot_honour_get_error_lines(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    messages = [{"role": "user", "content": "q"}]
+    lines = [{"custom_id": "n2", "body": {"messages": messages, "n": 2}},
+             {"custom_id": "lp", "body": {"messages": messages, "logprobs": True}},
+             {"custom_id": "js", "body": {"messages": messages, "response_format": {"type": "json_object"}}},
+             {"custom_id": "ok", "body": {"messages": messages, "n": 1, "max_completion_tokens": 5, "seed": 7,
+                                          "response_format": {"type": "text"}}}]
+    _write(source, [json.dumps(line) for line in lines])
+    calls = []
+
+    def recording(item, sampling, max_tokens):
+        calls.append((item.id, max_tokens, sampling.seed))
+        return fake_generate(item, sampling, max_tokens)
+
+    summary = run_batch(source, out, recording, SamplingConfig(), 8, "m")
+    assert calls == [("ok", 5, 7)] and len(summary.skipped_lines) == 3
+    rows = {json.loads(line)["custom_id"]: json.loads(line) for line in out.read_text().splitlines()}
+    for name, field in (("n2", "n=2"), ("lp", "logprobs=True"), ("js", "response_format=")):
+        assert rows[name]["error"]["code"] == "unsupported_parameter" and field in rows[name]["error"]["message"]
+    assert rows["ok"]["error"] is None
