@@ -275,8 +275,8 @@ def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: l
     bench_prompts = [BenchPrompt(tokenizer.encode_chat(messages), (sampling.seed or 0) + index)
                      for index, messages in enumerate(prompts)]
     device, dtype = choose_device(), dtype_name(choose_dtype(config.dtype, choose_device()))
-    settings = {**changed_fields(config), "draft": config.draft_spec, "target": str(target_folder),
-                "sampling": changed_fields(sampling), "device": str(device), "dtype": dtype}
+    # models as the user named them (a new machine resolves the same names to other paths)
+    settings = {**changed_fields(config), "sampling": changed_fields(sampling), "device": str(device), "dtype": dtype}
     journal = BenchJournal("spec", settings, resume, read_only=partial)
     on_status(f"journal: {journal.path.name} ({len(journal.rows)} finished rows taken; a killed run resumes "
               f"with the same command and --resume)")
