@@ -1,8 +1,10 @@
 """A long benchmark's finished rows, one JSON line each, so a run that is killed resumes where it stopped.
 
-The journal's name is a fingerprint of everything that decides a row's result (settings, sampling, prompt
-token ids), so `--resume` can only pick up rows of the same benchmark. The first line holds the fingerprint;
-every later line is {"key": [...], "value": {...}}; a torn last line (a kill mid-write) is ignored.
+The journal's name is a fingerprint of the settings that decide a row's result (those that differ from
+their defaults, models as the user named them), and a row's key names its prompt (token ids and seed), so
+`--resume` picks up only rows of the same benchmark, and a run over more prompts reuses those it shares.
+The first line holds the fingerprint; every later line is {"key": [...], "value": {...}}; a torn last line
+(a kill mid-write) is ignored.
 """
 from __future__ import annotations
 
