@@ -240,7 +240,8 @@ def _bench_draft(args, console) -> dict:
 
 def _bench_spec(args, console) -> dict:
     from offload.planner import parse_bytes
-    from runtime.spec_bench import SpecBenchConfig, print_tables, run_spec_bench
+    from runtime.spec_bench import SpecBenchConfig, run_spec_bench
+    from runtime.spec_report import print_tables
     from spec import SamplingConfig
     try:
         budgets = [int(x) for x in args.budgets.split(",") if x.strip()]

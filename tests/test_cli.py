@@ -1,6 +1,5 @@
 """The command line as a user drives it: subprocesses on the embedded default model."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from offload.config import ModelConfig, RopeConfig
+from offload.config import ModelConfig
 from offload.masks import tree_mask
 from offload.rope import inverse_frequencies
 

@@ -15,7 +15,8 @@ from offload import LoadOptions, load_model
 from offload.weights import CheckpointSource
 from runtime.bench_journal import changed_fields, result_from_dict, result_to_dict
 from runtime.hf_draft import PeerRun, build_hf_draft, peer_report
-from runtime.spec_bench import SpecBenchConfig, load_options, row_report, run_spec_bench
+from runtime.spec_bench import SpecBenchConfig, load_options, run_spec_bench
+from runtime.spec_report import row_report
 from spec import Decoder, DecodeResult, DecodeStats, SamplingConfig
 from spec.distill.draft_io import save_draft
 from spec.distill.draft_model import choose_vocab, draft_from_target

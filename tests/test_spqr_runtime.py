@@ -9,7 +9,7 @@ import torch
 import runtime  # noqa: F401  (registers the SpQR format with the engine)
 from conftest import add_tiny_tokenizer, load_ours, make_tiny_checkpoint
 from offload import LoadOptions, load_model
-from offload.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
+from offload.safetensors_io import CorruptCheckpointError, write_safetensors
 from quant.checkpoint import MATRICES, layer_path
 from quant.quantize import QuantizeConfig, quantize
 from spec import DecodeConfig, Decoder, SamplingConfig
