@@ -145,6 +145,24 @@ def test_greedy_speculation_on_cuda_equals_target_greedy(pairs, tier):
     target.layers.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_penalized_and_sampled_speculation_on_cuda(pairs):
+    """Penalties (host ids against device logits) equal one-token decoding on the GPU; sampling with a
+    seeded device generator repeats itself and gives in-vocabulary tokens."""
+    target_folder, close, _ = pairs(2)
+    target, draft = load_pair(target_folder, close, device="cuda")
+    for penalties in PENALTIES:
+        penalized = SamplingConfig(**penalties)
+        _, reference = decode(target, None, PROMPTS[0], 1, sampling=penalized)
+        _, result = decode(target, draft, PROMPTS[0], 16, sampling=penalized)
+        assert result.token_ids == reference.token_ids, penalties
+    sampled = SamplingConfig(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)
+    first, again = (decode(target, draft, PROMPTS[0], 16, sampling=sampled)[1] for _ in range(2))
+    assert first.token_ids == again.token_ids and all(0 <= t < VOCAB for t in first.token_ids)
+    target.layers.close()
+
+
 def test_speculation_accepts_tokens_from_a_good_draft(pairs):
     target_folder, close, _ = pairs(0)
     target, draft = load_pair(target_folder, close)
