@@ -21,22 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from offload import Tokenizer  # noqa: E402
 from offload.sources import resolve_model  # noqa: E402
-from runtime.bench_journal import JOURNAL_FORMAT  # noqa: E402
+from runtime.bench_journal import JOURNAL_FORMAT, read_journal  # noqa: E402
 from runtime.spec_bench import BenchPrompt  # noqa: E402
 from runtime.tools_cli import _bench_prompts  # noqa: E402
 
 
 def journal_rows(path: Path) -> dict[tuple, dict]:
-    lines = path.read_text().splitlines()
-    if not lines or json.loads(lines[0]).get("format") != JOURNAL_FORMAT:
+    header, rows = read_journal(path)
+    if header.get("format") != JOURNAL_FORMAT:
         raise SystemExit(f"error: {path} is not a bench journal ({JOURNAL_FORMAT})")
-    rows = {}
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue                                   # the line a kill cut short
-        rows[tuple(record["key"])] = record["value"]
     return rows
 
 

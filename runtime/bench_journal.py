@@ -37,6 +37,20 @@ def changed_fields(instance) -> dict:
     return changed
 
 
+def read_journal(path: Path) -> tuple[dict, dict[tuple, dict]]:
+    """A journal file's header and its rows by key (a torn last line is skipped)."""
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0]) if lines else {}
+    rows = {}
+    for line in lines[1:]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue                                   # the line a kill cut short
+        rows[tuple(record["key"])] = record["value"]
+    return header, rows
+
+
 class BenchJournal:
     """Rows by key (a tuple of strings and ints); `resume=False` starts the journal afresh; `read_only`
     takes the rows and never writes."""
@@ -54,18 +68,8 @@ class BenchJournal:
     def _read(self, key: str) -> dict[tuple, dict]:
         if not self.path.is_file():
             return {}
-        lines = self.path.read_text().splitlines()
-        header = json.loads(lines[0]) if lines else {}
-        if header != {"format": JOURNAL_FORMAT, "fingerprint": key}:
-            return {}
-        rows = {}
-        for line in lines[1:]:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue                                   # the line a kill cut short
-            rows[tuple(record["key"])] = record["value"]
-        return rows
+        header, rows = read_journal(self.path)
+        return rows if header == {"format": JOURNAL_FORMAT, "fingerprint": key} else {}
 
     def get(self, *key) -> dict | None:
         value = self.rows.get(tuple(key))
