@@ -23,7 +23,7 @@ from offload import Tokenizer  # noqa: E402
 from offload.sources import resolve_model  # noqa: E402
 from runtime.bench_journal import JOURNAL_FORMAT, read_journal  # noqa: E402
 from runtime.spec_bench import BenchPrompt  # noqa: E402
-from runtime.tools_cli import _bench_prompts  # noqa: E402
+from spec.distill.prompts import prompt_turns  # noqa: E402
 
 
 def journal_rows(path: Path) -> dict[tuple, dict]:
@@ -56,7 +56,7 @@ def main() -> int:
     args = parser.parse_args()
     rows, expected = journal_rows(args.journal), simulated(args.simulation, args.budget)
     tokenizer = Tokenizer(resolve_model(None))
-    keys = [BenchPrompt(tokenizer.encode_chat(m), i).key for i, m in enumerate(_bench_prompts(args.prompts, None))]
+    keys = [BenchPrompt(tokenizer.encode_chat(m), i).key for i, m in enumerate(prompt_turns(args.prompts, None))]
     compared, differing = 0, []
     for index, (key, simulated_tpp) in enumerate(zip(keys, expected)):
         live = rows.get((args.mode, key, args.budget))

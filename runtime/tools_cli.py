@@ -90,7 +90,10 @@ def _add_bench_parsers(benches) -> None:
     draft.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: 256)")
     draft.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
     draft.add_argument("--answers-cache", type=Path, default=None,
-                       help="JSONL file keeping the target's answers, reused by later runs (default: none)")
+                       help="JSONL file keeping the answers, reused by later runs (default: none)")
+    draft.add_argument("--answers-by", default=None, metavar="MODEL",
+                       help="read MODEL's greedy answers instead of the target's own, the target's argmax "
+                            "there as its tokens: compares targets (e.g. SpQR vs reference) on the same text")
     draft.add_argument("--json", action="store_true", help="print only JSON")
     stream = benches.add_parser("stream", help="pass time vs raw tier bandwidth for several pass sizes")
     stream.add_argument("--target", default=None, help="model (default: embedded model)")
@@ -200,48 +203,35 @@ def cmd_distill(args, console) -> int:
     return 0
 
 
-def _bench_prompts(paths: list[Path], limit: int | None, per_file: bool = False) -> list[list[dict[str, str]]]:
-    """Chat turns from prompt files: the first `limit` prompts overall, or of each file (`per_file`)."""
-    if per_file:
-        return [prompt for path in paths for prompt in _bench_prompts([path], limit)]
-    prompts = []
-    for path in paths:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            text = row.get("prompt") or (row.get("turns") or [None])[0] or row.get("question")
-            if not isinstance(text, str):
-                raise ValueError(f"{path} line {number}: no prompt, turns or question field")
-            prompts.append([{"role": "user", "content": text}])
-    return prompts[:limit]
-
-
 def _bench_draft(args, console) -> dict:
     from offload import LoadOptions, load_model
     from offload.devices import dtype_name
     from spec.distill import AnswerCache, DraftBenchConfig, bench_draft
+    from spec.distill.prompts import prompt_turns
     from spec.draft import default_draft_for, load_draft
     draft_path = args.draft or default_draft_for(args.target)
     if draft_path is None:
         raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")
-    prompts = _bench_prompts(args.prompts, args.limit)
+    prompts = prompt_turns(args.prompts, args.limit)
     target = load_model(LoadOptions(args.target))
     draft = load_draft(LoadOptions(str(draft_path)), embed=target.model.embed)
     same_dtype = None
     if draft.model.dtype != target.model.dtype:
         same_dtype = load_draft(LoadOptions(str(draft_path), dtype=dtype_name(target.model.dtype)),
                                 embed=target.model.embed)
+    answers_by = load_model(LoadOptions(args.answers_by)) if args.answers_by else None
     config = DraftBenchConfig(max_new_tokens=args.max_new_tokens)
-    cache = AnswerCache(args.answers_cache, target.path, config.max_new_tokens)
+    cache = AnswerCache(args.answers_cache, (answers_by or target).path, config.max_new_tokens)
     return bench_draft(target, draft, prompts, config, cache=cache, draft_at_target_dtype=same_dtype,
-                       on_progress=lambda e: console.print(f"[dim]target answers: {e['done']}/{e['total']}[/dim]"))
+                       answers_by=answers_by,
+                       on_progress=lambda e: console.print(f"[dim]answers: {e['done']}/{e['total']}[/dim]"))
 
 
 def _bench_spec(args, console) -> dict:
     from offload.planner import parse_bytes
     from runtime.spec_bench import SpecBenchConfig, run_spec_bench
     from runtime.spec_report import print_tables
+    from spec.distill.prompts import prompt_turns
     from spec import SamplingConfig
     try:
         budgets = [int(x) for x in args.budgets.split(",") if x.strip()]
@@ -252,7 +242,7 @@ def _bench_spec(args, console) -> dict:
                              parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer,
                              dtype=args.dtype)
     sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty)
-    result = run_spec_bench(config, sampling, _bench_prompts(args.prompts, args.limit, per_file=True),
+    result = run_spec_bench(config, sampling, prompt_turns(args.prompts, args.limit, per_file=True),
                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
                             resume=args.resume, partial=args.partial)
     if not args.json:

@@ -375,3 +375,24 @@ def test_init_draft_widens_the_vocabulary_and_head_only_trains_only_the_head(tar
     with pytest.raises(ValueError, match="--init-draft"):
         DistillConfig(str(target.path), tmp_path / "x", head_only=True)
     assert isinstance(grown, DraftModel)
+
+
+def test_bench_draft_on_another_models_answers_labels_with_the_targets_argmax(target, tmp_path):
+    """answers_by: the target's tokens are its teacher-forced argmax on the other model's answers. On its
+    own answers that argmax is its greedy answer again (independent of generation: one forward, no cache
+    steps), so the report equals the default one; on another model's answers it is not."""
+    prompts = [[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}] for ids in _prompts(4, 6)]
+    config = DraftBenchConfig(max_new_tokens=10, batch_size=2, num_cost_steps=2, num_cost_repeats=1)
+    model, source = _draft(target, vocab_top=64)
+    draft = load_draft(LoadOptions(str(_save(target, model, tmp_path / "d", source)), device="cpu", dtype="fp32"))
+    own = bench_draft(target, draft, prompts, config)
+    self_answered = bench_draft(target, draft, prompts, config, answers_by=target)
+    assert self_answered["target_agrees_with_answers"] == 1.0
+    assert self_answered["rank_acceptance"] == own["rank_acceptance"]
+    other_folder, _ = make_tiny_checkpoint(tmp_path / "other", "llama", seed=11, bos_token_id=1, num_hidden_layers=3,
+                                           eos_token_id=2)
+    _write_tokenizer(other_folder)
+    other = load_model(LoadOptions(str(other_folder), device="cpu", dtype="fp32"))
+    crossed = bench_draft(target, draft, prompts, config, answers_by=other)
+    assert crossed["answers_by"] == other_folder.name and crossed["target_agrees_with_answers"] < 0.5
+    assert crossed["num_answer_tokens"] > 0 and 0 <= crossed["top1_agreement"] <= 1

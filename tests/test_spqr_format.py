@@ -94,10 +94,12 @@ def test_packed_dequantization_equals_the_dense_reference(bits, shape, num_outli
 @pytest.mark.parametrize("bits", [3, 4])
 def test_a_layers_statistics_decoded_together_equal_each_matrix_alone(bits):
     """decode_statistics unpacks every matrix's statistics in one call; rows x groups not a multiple of 8
-    (20 x 1) leave padding codes inside the concatenated stream, which must not shift the next matrix."""
+    (20 x 1) leave padding codes inside the concatenated stream, which must not shift the next matrix.
+    Matrices of one group width in whole runs of rows (the 64-wide ones, 20 rows of that width apart) take
+    their second level together; the dense reference checks each one."""
     from quant.spqr_format import decode_statistics, packed_linears
-    layer = {f"m{i}": random_matrix(bits, shape, outliers, seed=i)
-             for i, (shape, outliers) in enumerate((((20, 16), 1), ((48, 64), 0), ((16, 32), 13), ((20, 16), 0)))}
+    shapes = (((20, 16), 1), ((48, 64), 0), ((16, 32), 13), ((20, 64), 2), ((32, 64), 3), ((20, 16), 0), ((16, 64), 0))
+    layer = {f"m{i}": random_matrix(bits, shape, outliers, seed=i) for i, (shape, outliers) in enumerate(shapes)}
     together = decode_statistics([matrix for matrix, _ in layer.values()])
     for (matrix, _), (scale, zero) in zip(layer.values(), together):
         alone_scale, alone_zero = decode_statistics([matrix])[0]

@@ -2,7 +2,10 @@
 which rank the target's token sits among the draft's choices, and what a draft token costs.
 
 Agreement is teacher-forced: the draft reads prompt + the target's greedy answer and, at every answer
-position, its choices are compared with the target's greedy token there (the next answer token).
+position, its choices are compared with the target's greedy token there (the next answer token). With
+`answers_by` (another model, e.g. the reference weights of a quantized target) both read that model's
+answers instead and the target's greedy token is its argmax there: two targets are then compared on the
+same text, so a difference in agreement is the targets' alone.
 Cost is the wall time of a one-token step with a KV cache, batch 1, draft and target interleaved in
 the same run; the ratio is what speculation pays per drafted token, in target steps.
 """
@@ -61,12 +64,17 @@ def expected_speedup(acceptance: float, cost_ratio: float, max_chain: int) -> tu
     return best
 
 
-def _draft_logits(draft: LoadedModel, token_ids: list[int]) -> Tensor:
-    """[T, K] the draft's trimmed logits at every position of one sequence."""
-    model = draft.model
+def _sequence_logits(loaded: LoadedModel, token_ids: list[int]) -> Tensor:
+    """[T, K] a model's logits (a draft's trimmed ones) at every position of one sequence."""
+    model = loaded.model
     cache = model.new_cache(len(token_ids))
     forward = getattr(model, "forward_trimmed", model.forward)
     return forward(torch.tensor([token_ids]), cache).logits[0].float().cpu()
+
+
+def target_choices(target: LoadedModel, prompt_ids: list[int], answer_ids: list[int]) -> Tensor:
+    """[A] the target's greedy token at every position of a given answer (teacher-forced)."""
+    return _sequence_logits(target, prompt_ids + answer_ids)[len(prompt_ids) - 1:-1].argmax(-1)
 
 
 def _step_seconds(model, prompt: list[int], num_steps: int) -> float:
@@ -124,24 +132,34 @@ def target_answers(target: LoadedModel, encoded: list[list[int]], config: DraftB
 
 def bench_draft(target: LoadedModel, draft: LoadedModel, prompts: list[list[dict[str, str]]],
                 config: DraftBenchConfig, on_progress: Callable[[dict], None] | None = None,
-                cache: AnswerCache | None = None, draft_at_target_dtype: LoadedModel | None = None) -> dict:
+                cache: AnswerCache | None = None, draft_at_target_dtype: LoadedModel | None = None,
+                answers_by: LoadedModel | None = None) -> dict:
     """prompts: chat message lists. Returns the JSON report (see module docstring). `cache` keeps the
-    target's answers between runs (default: none kept); `draft_at_target_dtype`: see measure_costs."""
+    answering model's answers between runs (default: none kept); `draft_at_target_dtype`: see
+    measure_costs; `answers_by`: the model whose greedy answers are read (default: the target)."""
     check_tokenizers_match(target.path, draft.path)
+    answerer = answers_by or target
+    if answers_by is not None:
+        check_tokenizers_match(target.path, answers_by.path)
     encoded = [target.tokenizer.encode_chat(m) for m in prompts]
-    cache = cache or AnswerCache(None, target.path, config.max_new_tokens)
-    answers = target_answers(target, encoded, config, cache, on_progress)
+    cache = cache or AnswerCache(None, answerer.path, config.max_new_tokens)
+    answers = target_answers(answerer, encoded, config, cache, on_progress)
     vocab_map = getattr(draft.model, "vocab_map", torch.arange(draft.config.vocab_size))
     row_of = out_of_set_rows(vocab_map.cpu(), target.config.vocab_size)
     counts = torch.zeros(MAX_RANK, dtype=torch.long)
-    num_positions = num_in_set = 0
+    num_positions = num_in_set = num_target_agrees = 0
     for prompt_ids, answer_ids in zip(encoded, answers):
         answer = torch.tensor(answer_ids, dtype=torch.long)
-        logits = _draft_logits(draft, prompt_ids + answer_ids)[len(prompt_ids) - 1:-1]     # [A, K]
-        counts += rank_counts(logits, answer, row_of)
+        labels = answer if answers_by is None else target_choices(target, prompt_ids, answer_ids)
+        logits = _sequence_logits(draft, prompt_ids + answer_ids)[len(prompt_ids) - 1:-1]     # [A, K]
+        counts += rank_counts(logits, labels, row_of)
         num_positions += answer.numel()
-        num_in_set += int((row_of[answer] >= 0).sum())
+        num_in_set += int((row_of[labels] >= 0).sum())
+        num_target_agrees += int((labels == answer).sum())
     report = _report(counts, num_positions, num_in_set, len(encoded))
+    if answers_by is not None:
+        report["answers_by"] = answers_by.path.name
+        report["target_agrees_with_answers"] = num_target_agrees / max(num_positions, 1)
     report.update(measure_costs(target, draft, encoded[0], config, draft_at_target_dtype))
     report["estimated_speedup"], report["best_chain_length"] = expected_speedup(
         report["top1_agreement"], report["cost_ratio"], config.max_chain)

@@ -89,6 +89,14 @@ def prompts_from_jsonl(path: Path, source: str | None = None, is_evaluation: boo
     return prompts
 
 
+def prompt_turns(paths: list[Path], limit: int | None = None, per_file: bool = False) -> list[list[dict[str, str]]]:
+    """Benchmarks' chat turns from prompt files (evaluation sets allowed): the first `limit` prompts
+    overall, or of each file (`per_file`)."""
+    if per_file:
+        return [turns for path in paths for turns in prompt_turns([path], limit)]
+    return [prompt.messages for path in paths for prompt in prompts_from_jsonl(path, is_evaluation=True)][:limit]
+
+
 def meta_prompts(count: int, seed: int) -> list[TrainingPrompt]:
     """Prompts that ask the target to write a training prompt (topic x task type, shuffled; past
     len(TOPICS) x len(TASKS) the pairs repeat, and sampling makes the repeats differ)."""
