@@ -55,7 +55,7 @@ def unpack(packed: Tensor, bits: int, num_codes: int, dtype: torch.dtype = torch
     for j in range(per_group):
         # code j holds stream bits [j*bits, (j+1)*bits): the rest of one byte, plus the low bits of the next
         byte, shift = divmod(j * bits, 8)
-        code = grouped[:, byte] >> shift
+        code = grouped[:, byte] >> shift if shift else grouped[:, byte]      # a zero shift would copy
         if shift + bits > 8:
             code = code | (grouped[:, byte + 1] << (8 - shift))
         out[:, j] = code & mask if shift + bits != 8 else code
