@@ -26,8 +26,31 @@ from .calibration_data import EVALUATION_MODULES, calibration_windows, documenta
 from .checkpoint import MATRICES
 from .perplexity import PerplexityConfig, perplexity
 from .quantize import QuantizeConfig, quantize
+from .spqr import ALGORITHM
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class SpqrRow:
+    """One SpQR configuration of the table."""
+    bits: int
+    outlier_threshold: float
+    groupsize: int = 16
+    stats_bits: int = 3
+    act_order: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"spqr-w{self.bits}" + ("" if self.groupsize == 16 else f"-g{self.groupsize}")
+                + ("" if self.stats_bits == 3 else f"-s{self.stats_bits}") + ("" if self.act_order else "-noact"))
+
+
+# w4 at groups of 32 is the row under 4.57 bits (7x fewer bytes than fp32), which groups of 16 cannot reach
+# (their statistics alone cost 0.625 bits); groups of 32 in input order with 8-bit statistics cost what
+# groups of 16 with 3-bit ones do, and align with a GGUF Q4_1 source's blocks of 32 (the default model's)
+SPQR_ROWS = (SpqrRow(4, 8.0), SpqrRow(3, 3.0), SpqrRow(4, 8.0, 32), SpqrRow(4, 8.0, 32, 8, act_order=False))
+METHODS = ("spqr", "rtn", "gptq", "nf4")
 
 
 @dataclass(slots=True)
@@ -38,13 +61,15 @@ class QuantBenchConfig:
     seqlen: int = 512
     chat_prompts: Path | None = ROOT / "bench" / "data" / "mt_bench" / "question.jsonl"
     gsm8k_test: Path | None = ROOT / "judge" / "data" / "gsm8k" / "test.jsonl"
-    # (bits, outlier threshold, groupsize): w4 at groups of 32 is the row under 4.57 bits (7x fewer bytes
-    # than fp32), which groups of 16 cannot reach (their statistics alone cost 0.625 bits)
-    spqr: tuple[tuple[int, float, int], ...] = ((4, 8.0, 16), (3, 3.0, 16), (4, 8.0, 32))
+    spqr: tuple[SpqrRow, ...] = SPQR_ROWS
+    methods: tuple[str, ...] = METHODS       # the reference row always runs
 
     def __post_init__(self) -> None:
         if self.tokens_per_domain < 64:
             raise ValueError(f"tokens per domain must be >= 64, got {self.tokens_per_domain}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
 
 
 def run_quant_bench(config: QuantBenchConfig, on_status: Callable[[str], None] = print) -> dict:
@@ -58,19 +83,23 @@ def run_quant_bench(config: QuantBenchConfig, on_status: Callable[[str], None] =
         return {"method": name, "bits_per_param": round(bits, 4), "perplexity": scores, **(extra or {})}
 
     rows = [evaluate("reference", reference, bits_per_param(reference))]
-    for bits, threshold, groupsize in config.spqr:
-        rows.append(_spqr_row(config, bits, threshold, groupsize, evaluate, on_status))
+    if "spqr" in config.methods:
+        rows += [_spqr_row(config, row, evaluate, on_status) for row in config.spqr]
     source = reference.source
-    for bits in (4, 3):
-        for groupsize in (16, 64):
-            layers = transformed_layers(source, lambda w, b=bits, g=groupsize: round_to_nearest(w, b, g))
-            rows.append(evaluate(f"rtn-w{bits}-g{groupsize}", _in_memory(reference, layers), rtn_bits(bits, groupsize)))
-    calibration = calibration_windows(reference.tokenizer, [], config.nsamples, config.seqlen, seed=0)
-    for bits in (4, 3):
-        on_status(f"gptq-w{bits}-g16: calibrating")
-        layers, bits_used = gptq_layers(source, calibration, bits)
-        rows.append(evaluate(f"gptq-w{bits}-g16", _in_memory(reference, layers), bits_used))
-    rows.append(evaluate("nf4", _in_memory(reference, transformed_layers(source, nf4)), NF4_BITS))
+    if "rtn" in config.methods:
+        for bits in (4, 3):
+            for groupsize in (16, 64):
+                layers = transformed_layers(source, lambda w, b=bits, g=groupsize: round_to_nearest(w, b, g))
+                rows.append(evaluate(f"rtn-w{bits}-g{groupsize}", _in_memory(reference, layers),
+                                     rtn_bits(bits, groupsize)))
+    if "gptq" in config.methods:
+        calibration = calibration_windows(reference.tokenizer, [], config.nsamples, config.seqlen, seed=0)
+        for bits in (4, 3):
+            on_status(f"gptq-w{bits}-g16: calibrating")
+            layers, bits_used = gptq_layers(source, calibration, bits)
+            rows.append(evaluate(f"gptq-w{bits}-g16", _in_memory(reference, layers), bits_used))
+    if "nf4" in config.methods:
+        rows.append(evaluate("nf4", _in_memory(reference, transformed_layers(source, nf4)), NF4_BITS))
     _add_increases(rows)
     return {"bench": "quant", "model": reference.path.name, "window": ppl_config.window, "stride": ppl_config.stride,
             "tokens_per_domain": config.tokens_per_domain, "calibration": {"nsamples": config.nsamples,
@@ -78,18 +107,20 @@ def run_quant_bench(config: QuantBenchConfig, on_status: Callable[[str], None] =
             "rows": rows}
 
 
-def _spqr_row(config: QuantBenchConfig, bits: int, threshold: float, groupsize: int, evaluate, on_status) -> dict:
-    name = f"spqr-w{bits}" + ("" if groupsize == 16 else f"-g{groupsize}")
-    key = f"{_model_key(config)}-{name}-t{threshold:g}-n{config.nsamples}-s{config.seqlen}"
+def _spqr_row(config: QuantBenchConfig, row: SpqrRow, evaluate, on_status) -> dict:
+    name = row.name
+    key = f"{_model_key(config)}-{name}-t{row.outlier_threshold:g}-n{config.nsamples}-s{config.seqlen}-a{ALGORITHM}"
     folder = cache_root() / "bench_quant" / key
     if not (folder / "config.json").exists():
         on_status(f"{name}: quantizing into {folder} (resumable)")
-        quantize(QuantizeConfig(config.target, folder, bits, groupsize, outlier_threshold=threshold,
-                                nsamples=config.nsamples, seqlen=config.seqlen, resume=folder.exists()),
+        quantize(QuantizeConfig(config.target, folder, row.bits, row.groupsize, row.stats_bits, row.outlier_threshold,
+                                nsamples=config.nsamples, seqlen=config.seqlen, resume=folder.exists(),
+                                act_order=row.act_order),
                  lambda e: on_status(f"{name}: layer {e['layer']} error {e['error']:.2e}"))
     model = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32"))
     report = json.loads((folder / "quantize_report.json").read_text())
-    extra = {"outlier_threshold": threshold, "outlier_share": report["outlier_share"],
+    extra = {"outlier_threshold": row.outlier_threshold, "groupsize": row.groupsize, "stats_bits": row.stats_bits,
+             "act_order": row.act_order, "outlier_share": report["outlier_share"],
              "dequantize_seconds_per_layer": round(dequantize_seconds(model), 5),
              "bytes_per_pass": model.source.packed_bytes()}
     return evaluate(name, model, bits_per_param(model), extra)

@@ -43,6 +43,7 @@ class QuantizeConfig:
     seqlen: int = 512
     resume: bool = False
     seed: int = 0
+    act_order: bool = True      # off: groups keep the input order (aligned with a GGUF source's blocks)
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -52,7 +53,8 @@ class QuantizeConfig:
         self.spqr()   # validates groupsize, stats bits and threshold
 
     def spqr(self) -> SpqrConfig:
-        return SpqrConfig(self.bits, self.groupsize, self.stats_bits, self.outlier_threshold)
+        return SpqrConfig(self.bits, self.groupsize, self.stats_bits, self.outlier_threshold,
+                          act_order=self.act_order)
 
 
 Progress = Callable[[dict], None]
@@ -161,7 +163,7 @@ def _finish(config: QuantizeConfig, source: CheckpointSource, source_folder: Pat
     write_globals(config.out, source.global_tensors())
     quantization = {"bits": config.bits, "groupsize": config.groupsize, "stats_bits": config.stats_bits,
                     "outlier_threshold": config.outlier_threshold if math.isfinite(config.outlier_threshold) else None,
-                    "nsamples": config.nsamples, "seqlen": config.seqlen}
+                    "act_order": config.act_order, "nsamples": config.nsamples, "seqlen": config.seqlen}
     write_config(config.out, source_folder, quantization, "default" if config.target in (None, "default") else None)
     packed = sum(r["packed_bytes"] for r in reports)
     params = sum(r["params"] for r in reports)

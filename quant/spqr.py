@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .spqr_format import STATS_RUN, SpqrMatrix, _second_level, pack_matrix, quantize_stats
 
+ALGORITHM = 2                  # 2: real-valued first-level zero points (a cache of quantized models keys on it)
 FULL_PRECISION_STATS = 16      # stats_bits meaning "group scale and zero kept in fp16" (plain GPTQ)
 
 
@@ -141,11 +142,14 @@ def _fit_group(group: Tensor, d: Tensor, index: int, threshold: float, state: _S
         inliers = torch.where(suspect, fill, group)
     low, high = inliers.amin(1), inliers.amax(1)
     scale = ((high - low) / maxq).clamp(min=1e-8)
-    zero = torch.round(-low / scale).clamp(0, maxq)
-    if config.stats_bits == FULL_PRECISION_STATS:
+    if config.stats_bits == FULL_PRECISION_STATS:      # plain GPTQ: an integer zero point
+        zero = torch.round(-low / scale).clamp(0, maxq)
         state.group_scale, state.group_zero = scale.half().float(), zero
         state.scale_codes[:, index], state.zero_codes[:, index] = state.group_scale, zero
         return
+    # SpQR: the zero is quantized again below, so it stays real (rounding it to an integer first only adds
+    # error) and the grid spans [low, high] even for a group whose weights share one sign.
+    zero = -low / scale
     scale_codes, scale_scale, scale_zero = quantize_stats(scale[:, None], config.stats_bits)
     zero_codes, zero_scale, zero_zero = quantize_stats(zero[:, None], config.stats_bits)
     params = torch.stack((scale_scale[:, 0], scale_zero[:, 0], zero_scale[:, 0], zero_zero[:, 0]), dim=-1)

@@ -15,6 +15,10 @@ def add_quant_parsers(commands) -> None:
     quantize.add_argument("--stats-bits", type=int, default=3, help="bits of the group statistics (default: 3)")
     quantize.add_argument("--outlier-threshold", type=float, default=None,
                           help="SpQR's tau; 'inf' keeps no outliers (default: 8 at 4 bits, 3 at 3 bits)")
+    quantize.add_argument("--no-act-order", dest="act_order", action="store_false",
+                          help="keep the input column order (act-order sorts columns by Hessian diagonal); with "
+                               "--groupsize 32 the groups then align with a GGUF Q4_x source's blocks "
+                               "(default: act-order)")
     quantize.add_argument("--calib", type=Path, nargs="*", default=[], help="extra calibration text files")
     quantize.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
     quantize.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default: 512)")
@@ -35,6 +39,8 @@ def add_bench_quant_parser(benches) -> None:
     bench.add_argument("--tokens", type=int, default=4096, help="held-out tokens per domain (default: 4096)")
     bench.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
     bench.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (default: 512)")
+    bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                       help="rows besides the reference: spqr rtn gptq nf4 (default: all)")
     bench.add_argument("--json", action="store_true", help="print only JSON")
     disk = benches.add_parser("quant-disk", help="decoding with layers streamed from a cold disk: reference "
                                                  "fp32/bf16 vs SpQR checkpoints, in one run")
@@ -61,8 +67,9 @@ def bench_quant_disk(args, console) -> dict:
 
 
 def bench_quant(args, console) -> dict:
-    from quant.bench import QuantBenchConfig, run_quant_bench
-    config = QuantBenchConfig(args.target, args.tokens, args.nsamples, args.seqlen)
+    from quant.bench import METHODS, QuantBenchConfig, run_quant_bench
+    config = QuantBenchConfig(args.target, args.tokens, args.nsamples, args.seqlen,
+                              methods=tuple(args.methods) if args.methods else METHODS)
     result = run_quant_bench(config, on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     if not args.json:
         for row in result["rows"]:
@@ -84,7 +91,7 @@ def cmd_quantize(args, console) -> int:
     from quant.quantize import QuantizeConfig, quantize
     threshold = args.outlier_threshold if args.outlier_threshold is not None else default_threshold(args.bits)
     config = QuantizeConfig(args.target, args.out, args.bits, args.groupsize, args.stats_bits, threshold,
-                            list(args.calib), args.nsamples, args.seqlen, args.resume)
+                            list(args.calib), args.nsamples, args.seqlen, args.resume, act_order=args.act_order)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("calibrating", total=None)

@@ -6,7 +6,7 @@ import torch
 import runtime  # noqa: F401  (registers the SpQR format)
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from quant.baselines import nf4, round_to_nearest, rtn_bits
-from quant.bench import QuantBenchConfig, run_quant_bench
+from quant.bench import QuantBenchConfig, SpqrRow, run_quant_bench
 
 
 def test_round_to_nearest_matches_its_definition():
@@ -33,7 +33,8 @@ def result(tmp_path_factory):
     import os
     os.environ["SPECSTREAM_CACHE"] = str(root / "cache")
     config = QuantBenchConfig(str(folder), tokens_per_domain=96, nsamples=4, seqlen=32, chat_prompts=None,
-                              spqr=((4, 8.0, 16), (3, 1.0, 16), (4, 8.0, 32)))
+                              spqr=(SpqrRow(4, 8.0), SpqrRow(3, 1.0), SpqrRow(4, 8.0, 32),
+                                    SpqrRow(4, 8.0, 32, 8, act_order=False)))
     try:
         return run_quant_bench(config, on_status=lambda message: None)
     finally:
@@ -42,13 +43,16 @@ def result(tmp_path_factory):
 
 def test_every_method_has_a_row_with_bits_and_perplexity(result):
     methods = [row["method"] for row in result["rows"]]
-    assert methods == ["reference", "spqr-w4", "spqr-w3", "spqr-w4-g32", "rtn-w4-g16", "rtn-w4-g64", "rtn-w3-g16", "rtn-w3-g64",
+    assert methods == ["reference", "spqr-w4", "spqr-w3", "spqr-w4-g32", "spqr-w4-g32-s8-noact", "rtn-w4-g16", "rtn-w4-g64", "rtn-w3-g16", "rtn-w3-g64",
                        "gptq-w4-g16", "gptq-w3-g16", "nf4"]
     rows = {row["method"]: row for row in result["rows"]}
     assert rows["reference"]["bits_per_param"] == 32 and rows["reference"]["mean_increase"] == 0
     assert 4.6 < rows["spqr-w4"]["bits_per_param"] < 5.5 and 3.6 < rows["spqr-w3"]["bits_per_param"] < 4.6
     # groups of 32 halve the statistics' share: 0.3125 bits fewer, outliers and the permutation aside
     assert 0.2 < rows["spqr-w4"]["bits_per_param"] - rows["spqr-w4-g32"]["bits_per_param"] < 0.45
+    # 8-bit statistics at groups of 32 cost what 3-bit ones at groups of 16 do: 2 x 8 / 32 = 2 x 3 / 16 + 1 / 8
+    assert abs(rows["spqr-w4"]["bits_per_param"] - rows["spqr-w4-g32-s8-noact"]["bits_per_param"]) < 0.05
+    assert rows["spqr-w4-g32-s8-noact"]["act_order"] is False
     assert rows["gptq-w3-g16"]["bits_per_param"] > 5 and rows["nf4"]["bits_per_param"] == 4.5
     for row in result["rows"]:
         assert set(row["perplexity"]) >= {"code", "prose", "math"} and all(v > 1 for v in row["perplexity"].values())
@@ -97,3 +101,12 @@ def test_chat_answers_are_cached_per_length(tmp_path, monkeypatch):
     lengths = {n: len(model.tokenizer.encode(text)) for n, text in texts.items()}
     assert lengths[400] > lengths[64] and lengths[400] >= 300
     assert len(list((tmp_path / "cache" / "bench_quant").glob("*chat-answers*"))) == 2
+
+
+def test_methods_choose_the_rows_and_unknown_ones_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown methods"):
+        QuantBenchConfig(methods=("spqr", "awq"))
+    folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1, vocab_size=64)
+    add_tiny_tokenizer(folder, 64)
+    config = QuantBenchConfig(str(folder), tokens_per_domain=64, chat_prompts=None, methods=("nf4",))
+    assert [row["method"] for row in run_quant_bench(config, on_status=lambda m: None)["rows"]] == ["reference", "nf4"]

@@ -220,3 +220,27 @@ def test_fused_kernel_arguments_avoid_the_names_older_triton_binders_use():
     pytest.importorskip("triton")
     from quant.spqr_triton import _dequantize_kernel
     assert not {"params", "options", "specialization"} & set(_dequantize_kernel.arg_names)
+
+
+def test_a_group_whose_weights_share_one_sign_keeps_its_range():
+    # a zero point clamped to the code range would put this grid at [0, 15 * scale]: every weight clipped
+    weight, hessian = _problem(seed=3)
+    shifted = weight.abs() + 0.05                                   # every group positive
+    result = quantize_matrix(shifted, hessian, SpqrConfig(4, outlier_threshold=math.inf))
+    assert result.relative_error < 1e-3 and result.outlier_share == 0
+
+
+def test_groups_in_input_order_reproduce_weights_already_on_a_blockwise_4_bit_grid():
+    """A GGUF Q4_1 source (the default model's) holds, per row and block of 32 inputs, d * q + m with q in
+    0..15: groups of 32 in input order with real zero points and 8-bit statistics find that grid again;
+    act-order's groups mix blocks and cannot."""
+    weight, hessian = _problem(seed=4)
+    blocks = weight.view(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    on_grid = (torch.round((blocks - low) / step) * step + low).view_as(weight)
+    aligned = quantize_matrix(on_grid, hessian, SpqrConfig(4, 32, stats_bits=8, outlier_threshold=math.inf,
+                                                          act_order=False))
+    mixed = quantize_matrix(on_grid, hessian, SpqrConfig(4, 16, outlier_threshold=math.inf))
+    assert torch.equal(aligned.packed.perm.long(), torch.arange(weight.shape[1]))
+    assert aligned.relative_error < 0.05 * mixed.relative_error
