@@ -2,7 +2,7 @@
 
     config.json              the source model's config plus `quantization_config` {"quant_method":
                              "specstream-spqr", "format_version": 1, "bits", "groupsize", "stats_bits",
-                             "outlier_threshold"}
+                             "outlier_threshold", "act_order", ...}
     globals.safetensors      embedding, final norm, LM head (unquantized)
     layers/layer-NNNNN.safetensors
                              one uint8 tensor per decoder layer: the layer's packed buffer exactly as the

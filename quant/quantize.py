@@ -24,6 +24,7 @@ from offload.weights import CheckpointSource
 from .calibrate import LayerRunner
 from .calibration_data import calibration_windows
 from .checkpoint import MATRICES, matrix_shapes, write_config, write_globals, write_layer
+from .source_grid import aligned_settings_hint
 from .spqr import FULL_PRECISION_STATS, SpqrConfig, quantize_matrix
 
 SUPPORTED_BITS = (3, 4)
@@ -78,6 +79,14 @@ def quantize(config: QuantizeConfig, on_progress: Progress | None = None) -> dic
         if on_progress:
             on_progress({"layer": index, "num_layers": model_config.num_layers, **report})
     return _finish(config, source, source_folder, reports)
+
+
+def settings_hint(config: QuantizeConfig) -> str | None:
+    """A line suggesting better settings for this source, judged from its first decoder layer (or None)."""
+    folder = resolve_model(config.target)
+    source = CheckpointSource(folder, ModelConfig.from_file(folder))
+    matrices = {name: tensor for name, tensor in source.layer(0).items() if name in MATRICES}
+    return aligned_settings_hint(matrices, config.bits, config.groupsize, config.stats_bits, config.act_order)
 
 
 def _check_supported(model_config: ModelConfig, config: QuantizeConfig) -> None:

@@ -17,7 +17,7 @@ def add_quant_parsers(commands) -> None:
                           help="SpQR's tau; 'inf' keeps no outliers (default: 8 at 4 bits, 3 at 3 bits)")
     quantize.add_argument("--no-act-order", dest="act_order", action="store_false",
                           help="keep the input column order (act-order sorts columns by Hessian diagonal); with "
-                               "--groupsize 32 the groups then align with a GGUF Q4_x source's blocks "
+                               "--groupsize 32 the groups then align with a GGUF Q4_1 source's blocks "
                                "(default: act-order)")
     quantize.add_argument("--calib", type=Path, nargs="*", default=[], help="extra calibration text files")
     quantize.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
@@ -88,10 +88,13 @@ def default_threshold(bits: int) -> float:
 def cmd_quantize(args, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from quant.quantize import QuantizeConfig, quantize
+    from quant.quantize import QuantizeConfig, quantize, settings_hint
     threshold = args.outlier_threshold if args.outlier_threshold is not None else default_threshold(args.bits)
     config = QuantizeConfig(args.target, args.out, args.bits, args.groupsize, args.stats_bits, threshold,
                             list(args.calib), args.nsamples, args.seqlen, args.resume, act_order=args.act_order)
+    hint = settings_hint(config) if not args.resume else None
+    if hint:
+        console.print(f"[yellow]hint:[/yellow] {hint}", highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("calibrating", total=None)

@@ -244,3 +244,16 @@ def test_groups_in_input_order_reproduce_weights_already_on_a_blockwise_4_bit_gr
     mixed = quantize_matrix(on_grid, hessian, SpqrConfig(4, 16, outlier_threshold=math.inf))
     assert torch.equal(aligned.packed.perm.long(), torch.arange(weight.shape[1]))
     assert aligned.relative_error < 0.05 * mixed.relative_error
+
+
+def test_weights_on_a_q4_1_grid_are_recognised_and_the_aligned_settings_suggested():
+    from quant.source_grid import aligned_settings_hint, on_block_grid
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+    blocks = weight.view(8, 2, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    on_grid = (torch.round((blocks - low) / ((high - low) / 15)) * (high - low) / 15 + low).view(8, 64)
+    assert on_block_grid(on_grid) and not on_block_grid(weight) and not on_block_grid(on_grid[:, :48])
+    assert "--no-act-order" in aligned_settings_hint({"q": on_grid}, 4, 16, 3, True)
+    assert aligned_settings_hint({"q": on_grid}, 4, 32, 8, False) is None      # already aligned
+    assert aligned_settings_hint({"q": on_grid}, 3, 16, 3, True) is None       # 3 bits cannot keep 16 levels
+    assert aligned_settings_hint({"q": weight}, 4, 16, 3, True) is None
