@@ -5,7 +5,9 @@ With H = 2/N sum x x^T the layer's input statistics and U the upper Cholesky fac
 diagonal), quantizing column j with error e_j = (w_j - q_j) / d_j and updating the later columns by
 -e_j U[j, j+1:] keeps the layer output error minimal (OBS/GPTQ). A weight whose scaled error e^2
 exceeds tau * mean_j(Var(W[:, j]) / d_j^2) is an outlier: kept exactly (16 bits), its error zero.
-Group statistics are fitted without the weights that look like outliers (leave-one-out error).
+Group statistics are fitted without the weights that look like outliers (leave-one-out error); the zero
+points, quantized again to stats_bits per run of 16 rows, are integers (GPTQ) or real (SpQR: the grid
+spans the group's range exactly), per run whichever leaves the smaller scaled error.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from .spqr_format import STATS_RUN, SpqrMatrix, _second_level, pack_matrix, quantize_stats
 
-ALGORITHM = 2                  # 2: real-valued first-level zero points (a cache of quantized models keys on it)
+ALGORITHM = 3                  # 3: per run of rows, integer or real zero points (a cache of quantized models keys on it)
 FULL_PRECISION_STATS = 16      # stats_bits meaning "group scale and zero kept in fp16" (plain GPTQ)
 
 
@@ -147,20 +149,38 @@ def _fit_group(group: Tensor, d: Tensor, index: int, threshold: float, state: _S
         state.group_scale, state.group_zero = scale.half().float(), zero
         state.scale_codes[:, index], state.zero_codes[:, index] = state.group_scale, zero
         return
-    # SpQR: the zero is quantized again below, so it stays real (rounding it to an integer first only adds
-    # error) and the grid spans [low, high] even for a group whose weights share one sign.
-    zero = -low / scale
     scale_codes, scale_scale, scale_zero = quantize_stats(scale[:, None], config.stats_bits)
-    zero_codes, zero_scale, zero_zero = quantize_stats(zero[:, None], config.stats_bits)
-    params = torch.stack((scale_scale[:, 0], scale_zero[:, 0], zero_scale[:, 0], zero_zero[:, 0]), dim=-1)
-    state.stat_params[:, index] = params
-    state.scale_codes[:, index], state.zero_codes[:, index] = scale_codes[:, 0].float(), zero_codes[:, 0].float()
-    # The stored statistics, decoded exactly as the runtime decodes them, are the ones the codes use.
     out = group.shape[0]
-    state.group_scale = _second_level(scale_codes.reshape(-1).float(), params[:, 0:1], params[:, 1:2],
-                                      out, 1)[:, 0]
-    state.group_zero = _second_level(zero_codes.reshape(-1).float(), params[:, 2:3], params[:, 3:4],
-                                     out, 1)[:, 0]
+    # The stored statistics, decoded exactly as the runtime decodes them, are the ones the codes use.
+    decoded_scale = _second_level(scale_codes.reshape(-1).float(), scale_scale, scale_zero, out, 1)[:, 0]
+    zero_codes, zero_params, decoded_zero = _choose_zeros(inliers, d, low, scale, decoded_scale, maxq, config)
+    params = torch.cat((scale_scale, scale_zero, zero_params), dim=-1)                       # [runs, 4]
+    state.stat_params[:, index] = params
+    state.scale_codes[:, index], state.zero_codes[:, index] = scale_codes[:, 0].float(), zero_codes.float()
+    state.group_scale, state.group_zero = decoded_scale, decoded_zero
+
+
+def _choose_zeros(inliers: Tensor, d: Tensor, low: Tensor, scale: Tensor, decoded_scale: Tensor, maxq: int,
+                  config: SpqrConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """The zero points of a column of groups, quantized again to stats_bits: per run of rows, the integer
+    zeros (GPTQ's) or the real ones (SpQR's: the grid spans [low, high] exactly), whichever leaves the run's
+    inliers the smaller scaled error. -> (codes [out], run params [runs, 2], decoded zeros [out])."""
+    out = inliers.shape[0]
+    runs = -(-out // STATS_RUN)
+    candidates = []
+    for zero in (torch.round(-low / scale).clamp(0, maxq), -low / scale):
+        codes, zero_scale, zero_zero = quantize_stats(zero[:, None], config.stats_bits)
+        decoded = _second_level(codes.reshape(-1).float(), zero_scale, zero_zero, out, 1)[:, 0]
+        quantized = (torch.round(inliers / decoded_scale[:, None] + decoded[:, None]).clamp(0, maxq)
+                     - decoded[:, None]) * decoded_scale[:, None]
+        row_error = ((inliers - quantized) / d).square().sum(1)
+        run_error = torch.cat((row_error, row_error.new_zeros(runs * STATS_RUN - out))).view(runs, -1).sum(1)
+        candidates.append((codes[:, 0], torch.cat((zero_scale, zero_zero), dim=-1), decoded, run_error))
+    (codes_a, params_a, decoded_a, error_a), (codes_b, params_b, decoded_b, error_b) = candidates
+    real_runs = error_b < error_a                                                             # [runs]
+    real_rows = real_runs.repeat_interleave(STATS_RUN)[:out]
+    return (torch.where(real_rows, codes_b, codes_a), torch.where(real_runs[:, None], params_b, params_a),
+            torch.where(real_rows, decoded_b, decoded_a))
 
 
 def _leave_one_out_error(group: Tensor, d: Tensor, maxq: int) -> Tensor:

@@ -249,6 +249,7 @@ def packed_linears(matrices: dict[str, SpqrMatrix], dtype: torch.dtype) -> dict[
     return {name: SpqrLinear(m, dtype, stats) for (name, m), stats in zip(matrices.items(), statistics)}
 
 
+FP16_TINIEST = 2.0 ** -24  # fp16's smallest positive value
 ZERO_LIMIT = 1024.0      # |zero| of the second-level statistics stays below this (fp16 holds it exactly)
 
 
@@ -264,7 +265,8 @@ def quantize_stats(values: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     # A run of equal values (e.g. sixteen rows whose zero points are all 4) has no range: its scale is
     # then a power-of-two fraction of the values, so the zero (at most 2^10) fits fp16 and decodes them exactly.
     floor = torch.maximum(low.abs(), high.abs()) / ZERO_LIMIT
-    scale = torch.maximum((high - low) / maxq, floor).clamp(min=1e-8).half().float()
+    scale = torch.maximum((high - low) / maxq, floor).half().float()
+    scale = torch.where(scale > 0, scale, FP16_TINIEST)     # a run of zeros: 0 / 0 would decode to NaN
     zero = (-low / scale).half().float()
     codes = torch.round(padded / scale[:, None] + zero[:, None]).clamp(0, maxq)
     return codes.view(-1, groups)[:out].to(torch.uint8), scale, zero

@@ -204,13 +204,15 @@ def test_second_level_statistics_of_a_run_without_range_decode_exactly():
     from quant.packbits import pack, unpack
     from quant.spqr_format import STATS_RUN, _second_level, quantize_stats
     values = torch.cat((torch.full((STATS_RUN, 1), 4.0), torch.arange(STATS_RUN, dtype=torch.float32)[:, None] % 8,
-                        torch.full((STATS_RUN, 1), 0.0123), torch.full((STATS_RUN, 1), -2.5)))     # [4 runs, 1]
+                        torch.full((STATS_RUN, 1), 0.0123), torch.full((STATS_RUN, 1), -2.5),
+                        torch.zeros(STATS_RUN, 1)))            # [5 runs, 1]; all zeros: a 0 / 0 once
     codes, scale, zero = quantize_stats(values, 3)
     assert torch.isfinite(scale).all() and torch.isfinite(zero).all() and (zero.abs() <= 1024).all()
     decoded = _second_level(unpack(pack(codes, 3), 3, codes.numel(), torch.float32), scale.half(), zero.half(),
                             values.shape[0], 1)
     torch.testing.assert_close(decoded[:2 * STATS_RUN], values[:2 * STATS_RUN], rtol=0, atol=0)
     torch.testing.assert_close(decoded, values, rtol=1e-3, atol=0)
+    assert torch.equal(decoded[-STATS_RUN:], values[-STATS_RUN:])
 
 
 def test_fused_kernel_arguments_avoid_the_names_older_triton_binders_use():
