@@ -61,13 +61,20 @@ class QuantizeConfig:
 Progress = Callable[[dict], None]
 
 
-def quantize(config: QuantizeConfig, on_progress: Progress | None = None) -> dict:
+def quantize(config: QuantizeConfig, on_progress: Progress | None = None,
+             on_hint: Callable[[str], None] | None = None) -> dict:
+    """`on_hint` gets one line suggesting better settings for this source (judged from its first layer)."""
     source_folder = resolve_model(config.target)
     model_config = ModelConfig.from_file(source_folder)
     _check_supported(model_config, config)
     source = CheckpointSource(source_folder, model_config)
     out, state = config.out, config.out / STATE
     first, hidden = _start(config, source, source_folder, state)
+    if on_hint and first == 0:
+        matrices = {name: tensor for name, tensor in source.layer(0).items() if name in MATRICES}
+        hint = aligned_settings_hint(matrices, config.bits, config.groupsize, config.stats_bits, config.act_order)
+        if hint:
+            on_hint(hint)
     runner = LayerRunner(model_config, config.seqlen)
     reports = _read_reports(state)
     for index in range(first, model_config.num_layers):
@@ -79,14 +86,6 @@ def quantize(config: QuantizeConfig, on_progress: Progress | None = None) -> dic
         if on_progress:
             on_progress({"layer": index, "num_layers": model_config.num_layers, **report})
     return _finish(config, source, source_folder, reports)
-
-
-def settings_hint(config: QuantizeConfig) -> str | None:
-    """A line suggesting better settings for this source, judged from its first decoder layer (or None)."""
-    folder = resolve_model(config.target)
-    source = CheckpointSource(folder, ModelConfig.from_file(folder))
-    matrices = {name: tensor for name, tensor in source.layer(0).items() if name in MATRICES}
-    return aligned_settings_hint(matrices, config.bits, config.groupsize, config.stats_bits, config.act_order)
 
 
 def _check_supported(model_config: ModelConfig, config: QuantizeConfig) -> None:

@@ -153,7 +153,8 @@ def _fit_group(group: Tensor, d: Tensor, index: int, threshold: float, state: _S
     out = group.shape[0]
     # The stored statistics, decoded exactly as the runtime decodes them, are the ones the codes use.
     decoded_scale = _second_level(scale_codes.reshape(-1).float(), scale_scale, scale_zero, out, 1)[:, 0]
-    zero_codes, zero_params, decoded_zero = _choose_zeros(inliers, d, low, scale, decoded_scale, maxq, config)
+    zero_codes, zero_params, decoded_zero = _choose_zeros(inliers, d, low, scale, decoded_scale, maxq,
+                                                            config.stats_bits)
     params = torch.cat((scale_scale, scale_zero, zero_params), dim=-1)                       # [runs, 4]
     state.stat_params[:, index] = params
     state.scale_codes[:, index], state.zero_codes[:, index] = scale_codes[:, 0].float(), zero_codes.float()
@@ -161,7 +162,7 @@ def _fit_group(group: Tensor, d: Tensor, index: int, threshold: float, state: _S
 
 
 def _choose_zeros(inliers: Tensor, d: Tensor, low: Tensor, scale: Tensor, decoded_scale: Tensor, maxq: int,
-                  config: SpqrConfig) -> tuple[Tensor, Tensor, Tensor]:
+                  stats_bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """The zero points of a column of groups, quantized again to stats_bits: per run of rows, the integer
     zeros (GPTQ's) or the real ones (SpQR's: the grid spans [low, high] exactly), whichever leaves the run's
     inliers the smaller scaled error. -> (codes [out], run params [runs, 2], decoded zeros [out])."""
@@ -169,7 +170,7 @@ def _choose_zeros(inliers: Tensor, d: Tensor, low: Tensor, scale: Tensor, decode
     runs = -(-out // STATS_RUN)
     candidates = []
     for zero in (torch.round(-low / scale).clamp(0, maxq), -low / scale):
-        codes, zero_scale, zero_zero = quantize_stats(zero[:, None], config.stats_bits)
+        codes, zero_scale, zero_zero = quantize_stats(zero[:, None], stats_bits)
         decoded = _second_level(codes.reshape(-1).float(), zero_scale, zero_zero, out, 1)[:, 0]
         quantized = (torch.round(inliers / decoded_scale[:, None] + decoded[:, None]).clamp(0, maxq)
                      - decoded[:, None]) * decoded_scale[:, None]

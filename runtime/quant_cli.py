@@ -88,13 +88,10 @@ def default_threshold(bits: int) -> float:
 def cmd_quantize(args, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from quant.quantize import QuantizeConfig, quantize, settings_hint
+    from quant.quantize import QuantizeConfig, quantize
     threshold = args.outlier_threshold if args.outlier_threshold is not None else default_threshold(args.bits)
     config = QuantizeConfig(args.target, args.out, args.bits, args.groupsize, args.stats_bits, threshold,
                             list(args.calib), args.nsamples, args.seqlen, args.resume, act_order=args.act_order)
-    hint = settings_hint(config) if not args.resume else None
-    if hint:
-        console.print(f"[yellow]hint:[/yellow] {hint}", highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("calibrating", total=None)
@@ -106,7 +103,8 @@ def cmd_quantize(args, console) -> int:
             console.print(f"[dim]layer {event['layer']}: relative error {event['error']:.3e}, "
                           f"{event['bits_per_param']:.3f} bits per parameter, {event['seconds']:.0f} s[/dim]")
 
-        summary = quantize(config, on_progress)
+        summary = quantize(config, on_progress, lambda hint: console.print(f"[yellow]hint:[/yellow] {hint}",
+                                                                            highlight=False))
     console.print(f"{summary['layers']} layers, {summary['bits_per_param']:.3f} bits per parameter (from the bytes "
                   f"written), outliers {summary['outlier_share']:.3%}, mean relative error {summary['mean_error']:.2e}")
     print(json.dumps({k: v for k, v in summary.items() if k != "layer_reports"}))
