@@ -1,7 +1,7 @@
 """Draft quality and cost against its target (what `cli.py bench draft` runs), as a script.
 
     .venv/bin/python bench/draft_agreement.py [--target T] [--draft D] \
-        --prompts ../shared/data/prompts/chat.jsonl --prompts ../shared/data/mt_bench/question.jsonl
+        --prompts textdata/chat/prompts.jsonl --prompts textdata/mt_bench/question.jsonl
 Prompt files: JSONL with `prompt`, `question`, `instruction` or `turns` (the first turn is used).
 Prints one summary line, then the JSON report (top1_agreement, rank_acceptance k=1..8, cost_ratio).
 """
@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import LoadOptions, load_model  # noqa: E402
+from offload import LoadOptions  # noqa: E402
+from runtime.models import load_model  # noqa: E402
 from offload.devices import DEVICE_NAMES, DTYPE_CHOICES  # noqa: E402
-from spec.distill import DraftBenchConfig, bench_draft  # noqa: E402
+from bench.draft_bench import DraftBenchConfig, bench_draft  # noqa: E402
 from spec.draft import default_draft_for, load_draft  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
 

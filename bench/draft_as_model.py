@@ -13,7 +13,6 @@ never learned to score (the draft's small row biases, std 0.05, are dropped: a p
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,15 +21,15 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload.sources import resolve_model  # noqa: E402
-from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, CheckpointSource  # noqa: E402
+from offload.weights.resolve import resolve_model  # noqa: E402
+from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES, CheckpointSource  # noqa: E402
 from spec.distill.draft_io import load_draft_module  # noqa: E402
 from spec.draft import default_draft_for  # noqa: E402
-from spec.draft_folder import TOKENIZER_FILES  # noqa: E402
+from offload.weights.tokenizer import copy_tokenizer_files  # noqa: E402
 
 
 def write_draft_as_model(out: Path, draft_folder: Path | None = None) -> Path:
-    target_folder = resolve_model(None)
+    target_folder = resolve_model(None, gguf_import=True)
     target = CheckpointSource(target_folder)
     draft = load_draft_module(draft_folder or default_draft_for(None), embed=target.global_tensors()["embed"])
     globals_ = target.global_tensors()
@@ -47,9 +46,7 @@ def write_draft_as_model(out: Path, draft_folder: Path | None = None) -> Path:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     config.update(num_hidden_layers=len(draft.layers), tie_word_embeddings=False)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (target_folder / name).exists():
-            shutil.copyfile(target_folder / name, out / name)
+    copy_tokenizer_files(target_folder, out)
     return out
 
 

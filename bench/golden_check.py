@@ -1,6 +1,6 @@
 """Greedy output of our engine vs transformers `generate(do_sample=False)` for every chat prompt.
 
-    .venv/bin/python bench/golden_check.py [--max-new-tokens 64] [--prompts tests/data/chat_prompts.jsonl]
+    .venv/bin/python bench/golden_check.py [--max-new-tokens 64] [--prompts textdata/chat/prompts.jsonl]
 Prints one JSON line per prompt and a summary line; exits 1 on any mismatch.
 """
 from __future__ import annotations
@@ -14,19 +14,21 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import LoadOptions, load_model  # noqa: E402
-from offload.sources import resolve_model  # noqa: E402
+from offload import LoadOptions  # noqa: E402
+from runtime.models import load_model  # noqa: E402
+from offload.weights.resolve import resolve_model  # noqa: E402
 from spec import DecodeConfig, Decoder, SamplingConfig  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=Path, default=Path(__file__).parents[1] / "tests/data/chat_prompts.jsonl")
+    parser.add_argument("--prompts", type=Path, default=Path(__file__).parents[1] / "textdata/chat/prompts.jsonl")
     parser.add_argument("--target", default=None)
     args = parser.parse_args()
     ours = load_model(LoadOptions(args.target, device="cpu", dtype="fp32"))
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(args.target), dtype=torch.float32)
+    reference = resolve_model(args.target, gguf_import=True)   # transformers reads the dequantized import
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     decoder = Decoder(ours.model, ours.stop_ids, DecodeConfig(args.max_new_tokens, 2048))
     num_same = 0
     prompts = [json.loads(line) for line in args.prompts.open()]

@@ -19,37 +19,16 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offload import LoadOptions, load_model  # noqa: E402
+from offload import LoadOptions  # noqa: E402
+from runtime.models import load_model  # noqa: E402
 from offload.devices import DTYPE_CHOICES, dtype_name  # noqa: E402
-from offload.model import DecoderModel  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
+from offload.model.pass_check import compare_passes  # noqa: E402
 
-PROMPT_FILES = [ROOT / "tests/data/chat_prompts.jsonl", ROOT / "bench/data/mt_bench/question.jsonl"]
-
-
-@torch.inference_mode()
-def compare_passes(model: DecoderModel, prompt_ids: list[int], num_tokens: int) -> dict:
-    """One prompt: one-token greedy passes vs one block pass over the same tokens."""
-    cache = model.new_cache(len(prompt_ids) + num_tokens + 1)
-    first = model.forward(torch.tensor([prompt_ids], device=model.device), cache, last_only=True)
-    cache.commit()
-    tokens, single = [int(first.logits[0, -1].argmax())], []
-    for _ in range(num_tokens):
-        logits = model.forward(torch.tensor([tokens[-1:]], device=model.device), cache).logits[0, -1]   # [V]
-        cache.commit()
-        single.append(logits)
-        tokens.append(int(logits.argmax()))
-    cache.truncate(len(prompt_ids))
-    block = model.forward(torch.tensor([tokens[:num_tokens]], device=model.device), cache).logits[0]    # [N, V]
-    single = torch.stack(single)                                                                       # [N, V]
-    flips = (single.argmax(-1) != block.argmax(-1)).nonzero().flatten().tolist()
-    top2 = single.topk(2, dim=-1).values
-    return {"positions": num_tokens, "max_logit_difference": float((single - block).abs().max()),
-            "flips": len(flips), "margins_at_flips": [round(float(top2[i, 0] - top2[i, 1]), 4) for i in flips]}
+PROMPT_FILES = [ROOT / "textdata/chat/prompts.jsonl", ROOT / "textdata/mt_bench/question.jsonl"]
 
 
 def main() -> int:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache/peers"
+if str(ROOT) not in sys.path:          # run as a script (bench/peers.py starts each child this way)
+    sys.path.insert(0, str(ROOT))
+from offload.host_io import drop_page_cache, process_read_bytes  # noqa: E402
 
 OURS = ("ours_ram", "ours_disk_warm", "ours_disk_cold", "ours_resident")
 HF = ("accelerate_disk_warm", "accelerate_disk_cold", "accelerate_cpu", "transformers_resident")
@@ -79,24 +82,9 @@ class TokenClock:
                 "seconds_per_token": round(per_token, 5) if per_token is not None else None}
 
 
-def disk_read_bytes() -> int | None:
-    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes); page-cache hits are free."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def evict(paths: list[Path]) -> None:
+def _evict(paths: list[Path]) -> None:
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(path)
 
 
 def prewarm(paths: list[Path]) -> None:
@@ -116,7 +104,8 @@ def weight_files(folder: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------------
 def child_ours(engine: str, cfg: dict) -> dict:
     sys.path.insert(0, str(ROOT))
-    from offload import LoadOptions, load_model
+    from offload import LoadOptions
+    from runtime.models import load_model
     from spec import DecodeConfig, Decoder, SamplingConfig
 
     disk = engine in ("ours_disk_warm", "ours_disk_cold")
@@ -133,12 +122,12 @@ def child_ours(engine: str, cfg: dict) -> dict:
     decoder = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(cfg["max_new_tokens"], cfg["max_context"]))
     if engine == "ours_disk_warm":
         prewarm(weight_files(loaded.path))
-    before, io_before = _snapshot(loaded.layers.total), disk_read_bytes()
+    before, io_before = _snapshot(loaded.layers.total), process_read_bytes()
     clock = TokenClock(skip_first_put=False)
     start = time.perf_counter()
     result = decoder.generate(ids, SamplingConfig(), clock.on_tokens)
     out = clock.summary(start, time.perf_counter(), result.token_ids)
-    after, io_after = _snapshot(loaded.layers.total), disk_read_bytes()
+    after, io_after = _snapshot(loaded.layers.total), process_read_bytes()
     tiers = {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")}
     out.update(prompt_ids=ids, model_path=str(loaded.path), load_seconds=round(load_seconds, 3), tiers=tiers,
                tier_of=loaded.plan.tier_of, engine_device_bytes=loaded.device_bytes,
@@ -187,7 +176,7 @@ def child_hf(engine: str, cfg: dict) -> dict:
     load_seconds = time.perf_counter() - start
     files = weight_files(folder) + sorted(p for p in offload_dir.glob("*") if p.is_file())
     if engine == "accelerate_disk_cold":
-        model.register_forward_pre_hook(lambda module, args: evict(files))
+        model.register_forward_pre_hook(lambda module, args: _evict(files))
     ids = torch.tensor([cfg["prompt_ids"]])
 
     def generate(n: int, streamer=None):
@@ -197,12 +186,12 @@ def child_hf(engine: str, cfg: dict) -> dict:
     generate(cfg["warmup_tokens"])                            # warm-up
     if engine == "accelerate_disk_warm":
         prewarm(files)
-    io_before = disk_read_bytes()
+    io_before = process_read_bytes()
     clock = TokenClock(skip_first_put=True)
     start = time.perf_counter()
     output = generate(cfg["max_new_tokens"], clock)
     out = clock.summary(start, time.perf_counter(), output[0, ids.shape[1]:].tolist())
-    out.update(load_seconds=round(load_seconds, 3), disk_read_bytes=_delta(io_before, disk_read_bytes()), **notes)
+    out.update(load_seconds=round(load_seconds, 3), disk_read_bytes=_delta(io_before, process_read_bytes()), **notes)
     return out
 
 

@@ -24,7 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-from peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
+if __package__:                        # imported (bench all): bench.peers
+    from bench.peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
+else:                                  # run as a script: bench/ is sys.path[0]
+    from peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
+from offload.weights.disk_errors import StorageFullError, write_text_atomic, writing  # noqa: E402 (ROOT on sys.path)
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -62,14 +66,14 @@ def run_engine(engine: str, cfg: dict, timeout: int) -> dict:
 
 
 def model_folder(private_copy: bool) -> Path:
-    """The default model's HF folder (offload.sources.resolve_model(None)), or this benchmark's own copy of it.
+    """The default model's HF folder (offload.weights.resolve.resolve_model(None)), or this benchmark's own copy of it.
 
     The copy matters for the cold runs: the kernel will not evict page-cache pages that any process has
     mapped, and on a shared machine other jobs keep the default model's model.safetensors mapped, so
     posix_fadvise(DONTNEED) on it is a no-op. Nobody else maps the copy. Same bytes for every engine."""
     sys.path.insert(0, str(ROOT))
-    from offload.sources import resolve_model
-    source = Path(resolve_model(None))
+    from offload.weights.resolve import resolve_model
+    source = Path(resolve_model(None, gguf_import=True))
     if not private_copy:
         return source
     target = CACHE / "model" / source.name
@@ -154,8 +158,15 @@ def main() -> int:
                     return 1
                 cfg.update(prompt_ids=result["prompt_ids"], resident_layers=result["tiers"]["device"])
     report = build_report(args, cfg, engines, samples, time.perf_counter() - wall)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        with writing(args.out, "nothing on disk (the report is printed to stdout instead)",
+                     "rerun the same bench/peers.py command"):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
+    except StorageFullError as err:     # the measurements took minutes: print them rather than lose them
+        print(json.dumps(report, indent=1))
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -245,7 +256,7 @@ def build_report(args, cfg: dict, engines: list[str], samples: dict, wall: float
             "model.safetensors (already fp32), so offload_folder stays empty and weights are read from the checkpoint, "
             "like our disk tier",
             "all engines load the same HF folder: a private copy (under .cache/peers/model) of "
-            "offload.sources.resolve_model(None), so that no other process on the shared machine keeps its pages "
+            "offload.weights.resolve.resolve_model(None), so that no other process on the shared machine keeps its pages "
             "mapped and the cold runs can really evict it",
             "disk_read_bytes is /proc/self/io read_bytes during the timed decode: bytes that really came from storage "
             "(0 when the page cache served them); it shows whether a 'cold' run was cold",

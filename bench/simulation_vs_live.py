@@ -7,7 +7,7 @@ simulation's JSON reports, in the order of the prompt files the live run was giv
 
     python bench/simulation_vs_live.py --journal bench/results/spec_all_prompts.journal.jsonl \
         --simulation bench/results/tree_simulation_all_prompts.json --budget 1024 \
-        --prompts ../shared/data/prompts/chat.jsonl ../shared/data/mt_bench/question.jsonl
+        --prompts textdata/chat/prompts.jsonl textdata/mt_bench/question.jsonl
 Prints one JSON object: prompts compared, how many agree, and each that does not.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from offload import Tokenizer  # noqa: E402
-from offload.sources import resolve_model  # noqa: E402
-from runtime.bench_journal import JOURNAL_FORMAT, read_journal  # noqa: E402
-from runtime.spec_bench import BenchPrompt  # noqa: E402
+from offload.weights.resolve import resolve_model  # noqa: E402
+from bench.journal import JOURNAL_FORMAT, read_journal  # noqa: E402
+from bench.spec_bench import BenchPrompt  # noqa: E402
 from spec.distill.prompts import prompt_turns  # noqa: E402
 
 

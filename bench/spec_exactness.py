@@ -13,13 +13,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offload import LoadOptions, load_model  # noqa: E402
+from offload import LoadOptions  # noqa: E402
+from runtime.models import load_model  # noqa: E402
 from runtime.auto_budget import auto_budget  # noqa: E402
 from spec import (DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for,  # noqa: E402
                   load_any_draft)
 from spec.budget import parse_budget  # noqa: E402
 
-PROMPT_FILES = [ROOT / "tests/data/chat_prompts.jsonl", ROOT / "bench/data/mt_bench/question.jsonl"]
+PROMPT_FILES = [ROOT / "textdata/chat/prompts.jsonl", ROOT / "textdata/mt_bench/question.jsonl"]
 
 
 def prompts() -> list[tuple[str, str]]:

@@ -23,50 +23,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from offload import LoadOptions, load_model  # noqa: E402
-from spec import DecodeConfig, Decoder, SamplingConfig, Speculator, default_draft_for, load_any_draft  # noqa: E402
-from spec.draft import Draft  # noqa: E402
+from offload import LoadOptions  # noqa: E402
+from runtime.models import load_model  # noqa: E402
+from spec import DecodeConfig, Decoder, default_draft_for, load_any_draft  # noqa: E402
+from spec.simulation import greedy_answers, simulate  # noqa: E402
 from spec.distill.prompts import prompts_from_jsonl  # noqa: E402
-from spec.tree import Tree  # noqa: E402
-from spec.verify import accepted_path  # noqa: E402
 
-PROMPT_FILES = [ROOT / "tests/data/chat_prompts.jsonl", ROOT / "bench/data/mt_bench/question.jsonl"]
-
-
-def greedy_answers(decoder: Decoder, prompts: list[list[int]]) -> list[list[int]]:
-    """The target's greedy answers, one token per pass (the reference speculation must reproduce)."""
-    answers = []
-    for prompt_ids in prompts:
-        decoder.reset()
-        answers.append(decoder.generate(prompt_ids, SamplingConfig()).token_ids)
-    return answers
-
-
-def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int, max_new_tokens: int,
-             max_context: int = 4096) -> int:
-    """-> the number of target passes greedy speculation at `budget` takes to emit `answer` (its first
-    token comes from the prefill, as in Decoder; every later pass yields its accepted path and the
-    target's next token, cut where the answer ends)."""
-    speculator = Speculator(draft, max_context, budget)
-    committed, position, passes = list(prompt_ids), 0, 0       # answer[position] is the root
-    while position < len(answer) - 1:
-        growth = DecodeConfig(max_new_tokens).growth(budget, max_new_tokens - (position + 1))
-        tree, slots = speculator.propose(committed, answer[position], growth)   # the growth Decoder uses
-        path = _followed_path(tree, answer, position)
-        speculator.accept(tree, slots, path)
-        committed += [answer[position + i] for i in range(len(path))]
-        position += len(path)            # the accepted nodes and the target's token after them
-        passes += 1
-    return passes
-
-
-def _followed_path(tree: Tree, answer: list[int], position: int) -> list[int]:
-    """The path verification accepts when the target's choice after each node is the answer's next token:
-    a node at depth d is right when it holds answer[position + d]."""
-    depths = tree.depths.tolist()
-    right = [d == 0 or (position + d < len(answer) and token == answer[position + d])
-             for d, token in zip(depths, tree.tokens.tolist())]
-    return accepted_path(tree, torch.tensor(right))
+PROMPT_FILES = [ROOT / "textdata/chat/prompts.jsonl", ROOT / "textdata/mt_bench/question.jsonl"]
 
 
 def main() -> int:

@@ -1,1 +1,1 @@
-"""judge/: the AutoJudge acceptance classifier (a later issue)."""
+"""judge/: AutoJudge: tasks with checkers, the OS-level sandbox for model-written code, mining, the classifier, and the acceptance policy it hands to spec/."""

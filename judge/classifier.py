@@ -3,7 +3,9 @@ safetensors file tied to the target it was mined with.
 
     judge.safetensors   mean [H], scale [H], weight [H], bias [1], thresholds [T, 2] (quantile of the
                         validation probabilities, threshold); metadata: format, version, the target's
-                        embedding fingerprint, hidden size, validation ROC-AUC
+                        embedding fingerprint, hidden size, validation ROC-AUC, and (version 2) "evaluation":
+                        the held-out evaluation as JSON (judge/held_out.py). Version 1 files still load,
+                        with no evaluation.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.safetensors_io import SafetensorsFile, write_safetensors
+from offload.weights.safetensors_io import SafetensorsFile, write_safetensors
+from .held_out import HeldOutEvaluation
 
-JUDGE_FORMAT, JUDGE_VERSION = "specstream-judge", 1
+JUDGE_FORMAT, JUDGE_VERSION = "specstream-judge", 2
+READABLE_VERSIONS = ("1", "2")     # version 1: no held-out evaluation
+JUDGE_TENSORS = ("mean", "scale", "weight", "bias", "thresholds")
 
 
 class JudgeFormatError(ValueError):
@@ -32,12 +37,15 @@ class Judge:
     thresholds: Tensor    # [T, 2] (share of validation mismatches accepted, threshold on p(important))
     target_fingerprint: str
     roc_auc: float
+    evaluation: HeldOutEvaluation | None = None
 
     def __post_init__(self) -> None:
         size = self.mean.shape[0]
         if self.mean.dim() != 1 or any(t.shape != (size,) for t in (self.scale, self.weight)) or \
                 self.bias.shape != (1,) or self.thresholds.dim() != 2 or self.thresholds.shape[1] != 2:
-            raise JudgeFormatError("judge tensors have inconsistent shapes")
+            shapes = ", ".join(f"{n} {list(getattr(self, n).shape)}" for n in JUDGE_TENSORS)
+            raise JudgeFormatError(f"judge tensors have inconsistent shapes ({shapes}; need [H], [H], [H], [1], "
+                                   "[T, 2])")
 
     @property
     def hidden_size(self) -> int:
@@ -57,20 +65,34 @@ class Judge:
                    "thresholds": self.thresholds}
         metadata = {"format": JUDGE_FORMAT, "version": str(JUDGE_VERSION), "target": self.target_fingerprint,
                     "roc_auc": json.dumps(self.roc_auc)}
+        if self.evaluation is not None:
+            metadata["evaluation"] = self.evaluation.to_json()
         write_safetensors(path, {k: v.float().contiguous() for k, v in tensors.items()}, metadata)
 
     @classmethod
     def load(cls, path: Path) -> "Judge":
         opened = SafetensorsFile(path)
         meta = opened.metadata
-        if meta.get("format") != JUDGE_FORMAT or meta.get("version") != str(JUDGE_VERSION):
+        if meta.get("format") != JUDGE_FORMAT or meta.get("version") not in READABLE_VERSIONS:
             raise JudgeFormatError(f"{path} is format {meta.get('format')!r} version {meta.get('version')!r}; "
-                                   f"this build reads {JUDGE_FORMAT} version {JUDGE_VERSION}")
+                                   f"this build reads {JUDGE_FORMAT} versions {', '.join(READABLE_VERSIONS)}")
+        missing = [n for n in JUDGE_TENSORS if n not in opened.entries] + [k for k in ("target", "roc_auc")
+                                                                          if k not in meta]
+        if missing:
+            raise JudgeFormatError(f"{path} lacks {', '.join(missing)}: not a complete judge file (`judge train` "
+                                   "writes one)")
         try:
-            tensors = {name: opened.tensor(name).clone() for name in ("mean", "scale", "weight", "bias", "thresholds")}
-            return cls(**tensors, target_fingerprint=meta["target"], roc_auc=float(json.loads(meta["roc_auc"])))
-        except (KeyError, ValueError) as err:
+            tensors = {name: opened.tensor(name).clone().float() for name in JUDGE_TENSORS}
+            evaluation = HeldOutEvaluation.from_json(meta["evaluation"]) if "evaluation" in meta else None
+            return cls(**tensors, target_fingerprint=meta["target"], roc_auc=float(json.loads(meta["roc_auc"])),
+                       evaluation=evaluation)
+        except (ValueError, TypeError) as err:
             raise JudgeFormatError(f"{path}: {err}") from None
+
+
+def record_evaluation(path: Path, evaluation: HeldOutEvaluation) -> None:
+    """Stores `evaluation` in the judge file at `path` (now version 2); its tensors are written unchanged."""
+    replace(Judge.load(path), evaluation=evaluation).save(path)
 
 
 def roc_auc(scores: Tensor, labels: Tensor) -> float:

@@ -24,6 +24,7 @@ import torch
 from offload import LoadedModel
 from spec import Draft
 from spec.distill.generate import GenerationConfig, generate_batch
+from textdata import jsonl_lines
 from .tasks import Problem
 
 MINED_FORMAT = "specstream-judge-mined"
@@ -77,7 +78,7 @@ def finished_problems(out: Path) -> set[str]:
     if not out.exists():
         return set()
     done = set()
-    for line in out.read_text().splitlines():
+    for _, line in jsonl_lines(out):
         try:
             row = json.loads(line)
         except ValueError:          # a line torn by a crash: its problem is mined again

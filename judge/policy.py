@@ -35,10 +35,15 @@ def check_threshold(threshold: float) -> None:
         raise ValueError(f"judge thresholds must lie in [0, 1], got {threshold}")
 
 
+def judge_path(spec: str) -> Path:
+    """`spec`: a judge file or "default" (the shipped judge of the embedded pair)."""
+    return DEFAULT_JUDGE if spec == "default" else Path(spec).expanduser()
+
+
 def load_judge_for(spec: str, target_embed: Tensor, hidden_size: int) -> Judge:
     """`spec`: a judge file or "default" (the shipped judge of the embedded pair); refused when it was
     mined for another target."""
-    path = DEFAULT_JUDGE if spec == "default" else Path(spec).expanduser()
+    path = judge_path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"judge file not found: {path}" + (" (no judge ships with this build)"
                                                                     if spec == "default" else ""))

@@ -12,11 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox import run_program
+import textdata
 
-ROOT = Path(__file__).resolve().parents[1]
-GSM8K_FILES = {"train": ROOT / "spec" / "distill" / "data" / "gsm8k" / "train.jsonl",
-               "test": Path(__file__).resolve().parent / "data" / "gsm8k" / "test.jsonl"}
+from .sandbox import available_isolation, run_program
+
+GSM8K_SPLITS = {"train": textdata.GSM8K_TRAIN, "test": textdata.GSM8K_TEST}
 IMPORT_LINE = re.compile(r"^(?:from\s+\S+\s+import\s|import\s)")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 GSM8K_INSTRUCTION = "Solve this math problem step by step. End with the final answer after '####'."
@@ -46,8 +46,8 @@ class Gsm8k:
 
     def problems(self, split: str, path: Path | None = None, on_skip=None) -> list[Problem]:
         problems = []
-        source = path or GSM8K_FILES[split]
-        for number, line in enumerate(source.read_text().splitlines(), start=1):
+        source = path or textdata.path(GSM8K_SPLITS[split])
+        for number, line in textdata.jsonl_lines(source):
             try:
                 row = json.loads(line)
                 problems.append(Problem(f"{split}-{number}", f"{row['question']}\n{GSM8K_INSTRUCTION}",
@@ -70,6 +70,16 @@ class HumanEval:
     name = "humaneval"
     TIMEOUT_SECONDS = 5.0
 
+    def __init__(self, unconfined: bool = False) -> None:
+        """Model-written programs run in the OS sandbox; where it is missing the task is refused (one
+        line naming what is missing) unless the user asked for unconfined runs explicitly."""
+        self.unconfined = unconfined
+        if not unconfined:
+            report = available_isolation()
+            if not report.is_available:
+                raise ValueError(f"the humaneval task runs model-written code and this machine cannot sandbox it: "
+                                 f"{report.missing}; pass --unconfined-code to run it with resource limits only")
+
     def problems(self, split: str, path: Path | None = None, on_skip=None) -> list[Problem]:
         rows = [json.loads(line) for line in _humaneval_lines(path)]
         parity = 0 if split == "train" else 1
@@ -81,7 +91,7 @@ class HumanEval:
         `def f(x: List[int])` rarely repeats `from typing import List`), then the task's tests."""
         imports = "\n".join(line for line in problem.prompt.splitlines() if IMPORT_LINE.match(line))
         program = f"{imports}\n{extract_code(response)}\n\n{problem.gold}\n\ncheck({problem.extra})\n"
-        return run_program(program, self.TIMEOUT_SECONDS).passed
+        return run_program(program, self.TIMEOUT_SECONDS, unconfined=self.unconfined).passed
 
     def is_correct(self, problem: Problem, response: str) -> bool:
         return self.outcome(problem, response)
@@ -108,10 +118,11 @@ def _humaneval_lines(path: Path | None) -> list[str]:
         return [line for line in handle if line.strip()]
 
 
-TASKS = {"gsm8k": Gsm8k(), "humaneval": HumanEval()}
+TASKS = {"gsm8k": Gsm8k, "humaneval": HumanEval}
 
 
-def get_task(name: str):
+def get_task(name: str, unconfined: bool = False):
+    """`unconfined`: run HumanEval's programs with resource limits only (the user said so explicitly)."""
     if name not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
-    return TASKS[name]
+    return HumanEval(unconfined) if name == "humaneval" else Gsm8k()

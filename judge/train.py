@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
+from textdata import jsonl_lines
+
 from .classifier import Judge, fit_logistic, roc_auc
+from .held_out import HeldOutEvaluation
 
 L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 ACCEPT_SHARES = (0.05, 0.1, 0.2, 0.4)     # `judge eval` runs each row: keep the table short
@@ -21,7 +24,7 @@ def read_mined(paths: list[Path], on_skip=None) -> tuple[torch.Tensor, torch.Ten
     """(features [N, H], labels [N], problem id per record) from mined JSONL files."""
     features, labels, problems = [], [], []
     lines = [(path, number, line) for path in paths
-             for number, line in enumerate(path.read_text().splitlines(), start=1)]
+             for number, line in jsonl_lines(path)]
     for path, number, line in lines:
         try:
             row = json.loads(line)
@@ -51,7 +54,8 @@ def train_judge(paths: list[Path], target_fingerprint: str, seed: int = 0) -> tu
     best = max(scores, key=lambda l2: (scores[l2] if scores[l2] == scores[l2] else -1, -l2))
     thresholds = torch.tensor([[share, float(held_out[best].quantile(share))] for share in ACCEPT_SHARES])
     weight, bias = fit_logistic(standard, labels, best)
-    judge = Judge(mean, scale, weight, bias, thresholds, target_fingerprint, scores[best])
+    evaluation = HeldOutEvaluation(None, len(set(problems)), scores[best], "judge train")   # out-of-fold
+    judge = Judge(mean, scale, weight, bias, thresholds, target_fingerprint, scores[best], evaluation)
     report = {"records": len(labels), "important_share": round(float(labels.float().mean()), 4),
               "problems": len(set(problems)), "folds": int(fold.max()) + 1, "l2": best,
               "roc_auc_by_l2": {str(k): round(v, 4) for k, v in scores.items()}, "roc_auc": round(scores[best], 4),

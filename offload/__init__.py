@@ -1,10 +1,8 @@
-"""offload/: model loading, the layer-wise forward, the KV cache, weight sources and tiers."""
-from .config import ModelConfig, UnsupportedModelError
-from .kvcache import KVCache
+"""offload/: the layer-streaming engine (planner, tiers, prefetch ring, loader, host memory, bandwidth,
+devices); the model's math in offload/model/, weight files and formats in offload/weights/."""
 from .loader import LoadedModel, LoadOptions, load_model
-from .masks import causal_mask, tree_mask
-from .model import DecoderModel, ForwardOutput
-from .tokenizer import StreamDecoder, Tokenizer
+from .model import DecoderModel, ForwardOutput, KVCache, ModelConfig, UnsupportedModelError, causal_mask
+from .weights.tokenizer import StreamDecoder, Tokenizer
 
 __all__ = ["ModelConfig", "UnsupportedModelError", "KVCache", "LoadedModel", "LoadOptions", "load_model",
-           "causal_mask", "tree_mask", "DecoderModel", "ForwardOutput", "StreamDecoder", "Tokenizer"]
+           "causal_mask", "DecoderModel", "ForwardOutput", "StreamDecoder", "Tokenizer"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .hostmem import allocate_host, drop_page_cache
+from offload.host_io import allocate_host, drop_page_cache
 
 
 def host_to_device_gbps(num_bytes: int, device: torch.device, repeats: int = 3) -> float:

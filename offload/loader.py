@@ -8,20 +8,20 @@ from pathlib import Path
 
 import torch
 
-from .budgets import default_device_budget, default_host_budget
-from .config import ModelConfig
-from .devices import check_names, choose_device, choose_dtype
-from .host_memory import keep_freed_host_memory
-from .model import DecoderModel
-from .packing import LayerLayout
-from .planner import Plan, PlanRequest, make_plan, streaming_budget
-from .resident import to_device
-from .sources import resolve_model
-from .stream import StreamingLayers
-from .tiers import DiskTier, RamTier
-from .tokenizer import Tokenizer
-from .formats import open_source
-from .weights import WeightSource
+from offload.budgets import default_device_budget, default_host_budget
+from offload.model.config import ModelConfig
+from offload.devices import check_names, choose_device, choose_dtype
+from offload.allocator import keep_freed_host_memory
+from offload.model.decoder import DecoderModel
+from offload.weights.packing import LayerLayout
+from offload.planner import Plan, PlanRequest, make_plan, streaming_budget
+from offload.resident import to_device
+from offload.weights.resolve import resolve_model
+from offload.stream import StreamingLayers
+from offload.tiers import DiskTier, RamTier
+from offload.weights.tokenizer import Tokenizer
+from offload.weights.formats import WeightFormat, open_source
+from offload.weights.source import WeightSource
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class LoadOptions:
     ram: int | None = None          # host budget for streamed layers; None: available RAM minus a margin
     max_context: int = 4096
     max_pass_tokens: int = 512      # largest pass (prefill chunk or tree) the workspace must hold
+    num_sequences: int = 1          # sequences decoded together (batch): a KV cache slot each
     draft_bytes: int = 0
     ring_size: int = 2
     disk_cold: bool = False
@@ -42,6 +43,8 @@ class LoadOptions:
     # loses below (377 vs 319 ms at 1 token): two Python threads issuing small torch ops hand the GIL back
     # and forth. Off by default.
     decode_ahead: bool = False
+    formats: tuple[WeightFormat, ...] = ()   # packed formats beyond plain checkpoints (runtime.weight_formats)
+    gguf_import: bool = False       # a GGUF is dequantized once to a safetensors folder rather than run in place
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)
@@ -66,11 +69,23 @@ class LoadedModel:
         """Engine-accounted device memory for weights: globals, resident layers, ring buffers."""
         return self.global_bytes + self.layers.device_bytes
 
+    def close(self) -> None:
+        """Stops and joins the ring's loader threads (the model stays usable: a pass restarts them)."""
+        self.layers.close()
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def load_model(options: LoadOptions, on_status=None, on_progress=None) -> LoadedModel:
-    path = resolve_model(options.model, options.allow_download, on_status, on_progress)
+    path = resolve_model(options.model, options.allow_download, on_status, on_progress, options.gguf_import)
     config = ModelConfig.from_file(path)
-    source = open_source(path, config)
+    source = open_source(path, config, options.formats)
+    if on_status and hasattr(source, "describe"):
+        on_status(source.describe())
     tokenizer = Tokenizer(path)
     engine = build_engine(source, options)
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
@@ -80,13 +95,25 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
 def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> int:
     """The --gpu-mem at which this model, loaded with `options`, keeps only `resident_layers` decoder
     layers on the device and streams the rest (its layer bytes as stored: packed formats count packed)."""
-    path = resolve_model(options.model, options.allow_download)
-    source = open_source(path, ModelConfig.from_file(path))
+    path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
+    source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
     global_bytes = sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
-    request = _plan_request(options, source.config, source.layout(dtype), global_bytes, device, dtype)
+    request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
     return streaming_budget(request, resident_layers)
+
+
+def largest_batch_for(options: LoadOptions, limit: int = 1024) -> int:
+    """The most sequences (<= limit) this model, loaded with `options`, can decode together: their KV cache
+    slots and the pass workspace fit the device budget beside the ring (0: not one)."""
+    from offload.planner import largest_batch
+    path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
+    source = open_source(path, ModelConfig.from_file(path), options.formats)
+    device = choose_device(options.device)
+    dtype = choose_dtype(options.dtype, device)
+    global_bytes = sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
+    return largest_batch(_plan_request(options, source, source.layout(dtype), global_bytes, device, dtype), limit)
 
 
 @dataclass(slots=True)
@@ -106,25 +133,32 @@ def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     globals_ = to_device(source.global_tensors(), device, dtype)
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
     layout = source.layout(dtype)
-    plan = make_plan(_plan_request(options, config, layout, global_bytes, device, dtype))
+    plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
     return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes)
 
 
-def _plan_request(options: LoadOptions, config: ModelConfig, layout: LayerLayout, global_bytes: int,
+def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,
                   device: torch.device, dtype: torch.dtype) -> PlanRequest:
+    # a source that decodes resident layers once (GGUF) keeps them dense, and decodes streamed ones
+    # into a dense workspace per ring slot
+    dense_bytes = source.dense_layer_bytes(dtype) if hasattr(source, "dense_layer") else 0
     return PlanRequest(
-        config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
+        config=source.config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
+        resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes,
         device_budget=options.gpu_mem or default_device_budget(device),
         host_budget=options.ram or default_host_budget(),
         draft_bytes=options.draft_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
-        dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu")
+        dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu",
+        num_sequences=options.num_sequences)
 
 
 def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device: torch.device,
                   dtype: torch.dtype, options: LoadOptions) -> StreamingLayers:
     tier_of = plan.tier_of
-    resident = {i: to_device(source.layer(i), device, dtype) for i, t in enumerate(tier_of) if t == "device"}
+    decode_once = getattr(source, "dense_layer", None)   # resident layers decoded at load, not at every use
+    resident = {i: decode_once(i, device, dtype) if decode_once else to_device(source.layer(i), device, dtype)
+                for i, t in enumerate(tier_of) if t == "device"}
     ram_layers = [i for i, t in enumerate(tier_of) if t == "ram"]
     ram = None
     if ram_layers:
@@ -132,7 +166,8 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=lambda index, stored: source.decode_layer(index, stored, dtype),
+                           decode=lambda index, stored: stored if decode_once and tier_of[index] == "device"
+                           else source.decode_layer(index, stored, dtype),
                            decode_ahead=options.decode_ahead)
 
 

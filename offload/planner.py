@@ -3,9 +3,9 @@ and what streams from disk. Works from config.json alone (no weights needed)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .config import ModelConfig
+from offload.model.config import ModelConfig
 
 GIB = 1024 ** 3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024 ** 2,
@@ -41,9 +41,22 @@ class PlanRequest:
     dtype_bytes: int = 2
     ring_size: int = 2
     device_is_cpu: bool = False    # the CPU's math attention materialises the score matrix
+    resident_layer_bytes: int = 0  # one layer kept on the device, when it differs from layer_bytes (decoded once)
+    ring_decode_bytes: int = 0     # a ring slot's dense decode workspace (packed formats decoded per layer)
+    decode_workspace_bytes: int = 0  # one dense layer a format decoded at every use (SpQR) writes, reused
+    num_sequences: int = 1         # sequences decoded together: a KV cache slot of max_context tokens each
+
+    @property
+    def device_layer_bytes(self) -> int:
+        return self.resident_layer_bytes or self.layer_bytes
+
+    @property
+    def ring_slot_bytes(self) -> int:
+        return self.layer_bytes + self.ring_decode_bytes
 
     def __post_init__(self) -> None:
-        for name in ("layer_bytes", "device_budget", "host_budget", "max_context", "max_tree", "ring_size"):
+        for name in ("layer_bytes", "device_budget", "host_budget", "max_context", "max_tree", "ring_size",
+                     "num_sequences"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"plan {name} must be positive, got {getattr(self, name)}")
 
@@ -91,62 +104,107 @@ def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype_bytes: int) -> in
 def workspace_bytes(request: PlanRequest) -> int:
     """Activations of the largest pass: layer intermediates, attention scores and the logits."""
     cfg, tokens = request.config, request.max_tree
-    keys = request.max_context + tokens
+    keys = request.num_sequences * request.max_context + tokens
     per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
                  + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * request.dtype_bytes
     scores = tokens * keys * (cfg.num_heads * 4 if request.device_is_cpu else 3)
     logits = tokens * cfg.vocab_size * (4 + request.dtype_bytes)
-    return tokens * per_token + scores + logits
+    # a packed pass over many slots gathers their keys and values (one layer at a time) and its mask
+    gathered = 2 * keys * cfg.num_kv_heads * cfg.head_dim * request.dtype_bytes + tokens * keys \
+        if request.num_sequences > 1 else 0
+    return tokens * per_token + scores + logits + gathered
+
+
+def kv_cache_tokens(request: PlanRequest) -> int:
+    """Tokens the target's KV cache holds: context + tree for one sequence, a context per slot for many."""
+    if request.num_sequences == 1:
+        return request.max_context + request.max_tree
+    return request.num_sequences * request.max_context
 
 
 def _fixed_items(request: PlanRequest) -> list[PlanItem]:
     """What never streams: globals, draft, KV cache, workspace."""
     cfg = request.config
     fixed = [PlanItem("embeddings, final norm, LM head", "device", request.global_bytes),
-             PlanItem(f"KV cache ({request.max_context} context + {request.max_tree} tree tokens)", "device",
-                      kv_cache_bytes(cfg, request.max_context + request.max_tree, request.dtype_bytes)),
+             PlanItem(_kv_label(request), "device", kv_cache_bytes(cfg, kv_cache_tokens(request), request.dtype_bytes)),
              PlanItem(f"activation workspace ({request.max_tree} tokens per pass)", "device",
                       workspace_bytes(request))]
     if request.draft_bytes:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
+    if request.decode_workspace_bytes:
+        fixed.append(PlanItem("decode workspace (1 dense layer)", "device", request.decode_workspace_bytes))
     return fixed
+
+
+def _kv_label(request: PlanRequest) -> str:
+    if request.num_sequences == 1:
+        return f"KV cache ({request.max_context} context + {request.max_tree} tree tokens)"
+    return f"KV cache ({request.num_sequences} sequences x {request.max_context} context)"
+
+
+def largest_batch(request: PlanRequest, limit: int = 1024) -> int:
+    """The most sequences (<= limit) whose KV cache slots and pass workspace fit the device budget beside
+    the ring (0: not even one)."""
+    def fits(num_sequences: int) -> bool:
+        trial = replace(request, num_sequences=num_sequences)
+        return sum(i.num_bytes for i in _fixed_items(trial)) + _ring_bytes(trial) <= request.device_budget
+
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def _ring_bytes(request: PlanRequest) -> int:
+    all_layers = request.config.num_layers * request.device_layer_bytes
+    fixed = sum(i.num_bytes for i in _fixed_items(request))
+    return 0 if fixed + all_layers <= request.device_budget else request.ring_size * request.ring_slot_bytes
 
 
 def streaming_budget(request: PlanRequest, resident_layers: int = 0) -> int:
     """The device budget that holds what never streams, the ring, `resident_layers` decoder layers and
     half a layer of slack: every other layer streams."""
     fixed = sum(item.num_bytes for item in _fixed_items(request))
-    return fixed + (request.ring_size + resident_layers) * request.layer_bytes + request.layer_bytes // 2
+    return (fixed + request.ring_size * request.ring_slot_bytes + resident_layers * request.device_layer_bytes
+            + request.layer_bytes // 2)
 
 
 def make_plan(request: PlanRequest) -> Plan:
     cfg = request.config
     fixed = _fixed_items(request)
     fixed_bytes = sum(item.num_bytes for item in fixed)
-    all_layers = cfg.num_layers * request.layer_bytes
+    all_layers = cfg.num_layers * request.device_layer_bytes
     if fixed_bytes + all_layers <= request.device_budget:
         return Plan(request, ["device"] * cfg.num_layers,
                     fixed + [PlanItem(f"decoder layers 0-{cfg.num_layers - 1}", "device", all_layers)])
-    ring = request.ring_size * request.layer_bytes
+    ring = request.ring_size * request.ring_slot_bytes
+    if fixed_bytes + ring > request.device_budget and request.num_sequences > 1:
+        largest = largest_batch(request, request.num_sequences)
+        raise PlanError(
+            f"a batch of {request.num_sequences} sequences does not fit the device budget "
+            f"{format_bytes(request.device_budget)} ({format_bytes(fixed_bytes + ring)} needed); the largest that "
+            f"fits is {largest} (--batch-size {largest}, or lower --context, or raise --gpu-mem)")
     if fixed_bytes + ring > request.device_budget:
         raise PlanError(
             f"the device budget {format_bytes(request.device_budget)} is too small: at least "
             f"{format_bytes(fixed_bytes + ring)} is needed ({format_bytes(fixed_bytes)} resident + "
-            f"{request.ring_size} x {format_bytes(request.layer_bytes)} ring buffers); raise --gpu-mem "
+            f"{request.ring_size} x {format_bytes(request.ring_slot_bytes)} ring buffers); raise --gpu-mem "
             f"or lower --context / --budget")
-    num_device = min((request.device_budget - fixed_bytes - ring) // request.layer_bytes, cfg.num_layers)
+    num_device = min((request.device_budget - fixed_bytes - ring) // request.device_layer_bytes, cfg.num_layers)
     num_ram = min(request.host_budget // request.layer_bytes, cfg.num_layers - num_device)
     tier_of = ["device"] * num_device + ["ram"] * num_ram + ["disk"] * (cfg.num_layers - num_device - num_ram)
     items = fixed + [PlanItem(f"ring buffers ({request.ring_size} x 1 layer)", "device", ring)]
-    items += _layer_items(tier_of, request.layer_bytes)
+    items += _layer_items(tier_of, request)
     return Plan(request, tier_of, items)
 
 
-def _layer_items(tier_of: list[str], layer_bytes: int) -> list[PlanItem]:
+def _layer_items(tier_of: list[str], request: PlanRequest) -> list[PlanItem]:
     items, start = [], 0
     for index in range(1, len(tier_of) + 1):
         if index == len(tier_of) or tier_of[index] != tier_of[start]:
             label = "streamed " if tier_of[start] != "device" else ""
+            layer_bytes = request.device_layer_bytes if tier_of[start] == "device" else request.layer_bytes
             items.append(PlanItem(f"decoder layers {start}-{index - 1} ({label}{tier_of[start]})",
                                   tier_of[start], (index - start) * layer_bytes))
             start = index

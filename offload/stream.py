@@ -8,18 +8,31 @@ which tier; this engine only executes.
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from .packing import LayerLayout
-from .hostmem import allocate_host
-from .tiers import DiskTier, RamTier
+from offload.weights.packing import LayerLayout
+from offload.host_io import allocate_host
+from offload.tiers import DiskTier, RamTier
 
 POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
+
+# Rings whose loader (and decoder) threads run. Owners close their ring; this is the safety net for one
+# left open: a daemon thread still inside a torch op while the interpreter finalizes aborts the process
+# ("terminate called without an active exception", exit code 134), so they are stopped and joined first.
+_running_rings: weakref.WeakSet[StreamingLayers] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_running_rings() -> None:
+    for ring in list(_running_rings):
+        ring.close()
 
 
 class StreamError(RuntimeError):
@@ -179,6 +192,8 @@ class StreamingLayers:
             slot.state, slot.layer, slot.decoded = "free", -1, None
 
     def close(self) -> None:
+        """Stops the loader and decoder threads and joins them (a load in flight finishes first); the next
+        pass starts them again."""
         threads = [t for t in (self._thread, self._decoder) if t is not None]
         if not threads:
             return
@@ -188,10 +203,12 @@ class StreamingLayers:
         for thread in threads:
             thread.join()
         self._thread, self._decoder, self._stop = None, None, False
+        _running_rings.discard(self)
 
     # loader thread -------------------------------------------------------------------------------
     def _start_loader(self) -> None:
         self._error = None
+        _running_rings.add(self)
         self._thread = threading.Thread(target=self._loader_main, name="layer-loader", daemon=True)
         self._thread.start()
         if self.decode_ahead:

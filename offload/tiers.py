@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .hostmem import allocate_host, drop_page_cache
-from .packing import LayerLayout
-from .weights import WeightSource
+from offload.host_io import allocate_host, drop_page_cache
+from offload.weights.packing import LayerLayout
+from offload.weights.source import WeightSource
 
 
 class RamTier:
@@ -60,7 +60,7 @@ class DiskTier:
         view = memoryview(target.view(torch.uint8).view(-1).numpy())
         done = 0
         while done < num_bytes:
-            count = os.preadv(fd, [view[done:]], start + done)
+            count = os.preadv(fd, [view[done:num_bytes]], start + done)
             if count <= 0:
                 raise OSError(f"{path}: read returned {count} bytes at offset {start + done} (file truncated?)")
             done += count

@@ -1,1 +1,1 @@
-"""quant/: SpQR-style packed weights (a later issue)."""
+"""quant/: SpQR-style packed weights: the versioned format, decode and fused kernel, the quantizer, baselines and perplexity."""

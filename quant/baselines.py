@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import Tensor
 
-from offload.weights import CheckpointSource
+from offload.weights.source import CheckpointSource
 from .calibrate import LayerRunner
 from .checkpoint import MATRICES
 from .quantize import quantize_layer

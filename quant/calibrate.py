@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offload.config import ModelConfig
-from offload.layers import decoder_layer
-from offload.rope import Rotary
+from offload.model.config import ModelConfig
+from offload.model.layers import decoder_layer
+from offload.model.rope import Rotary
 from .checkpoint import MATRICES
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.tokenizer import Tokenizer
+import textdata
+from offload.weights.tokenizer import Tokenizer
 
-DATA = Path(__file__).resolve().parents[1] / "spec" / "distill" / "data"
 CALIBRATION_MODULES = ("textwrap.py", "heapq.py", "bisect.py", "functools.py", "dataclasses.py", "string.py",
                        "csv.py", "queue.py", "argparse.py")
 EVALUATION_MODULES = ("statistics.py", "fractions.py", "difflib.py", "shlex.py", "pprint.py", "calendar.py")
@@ -39,12 +39,12 @@ def documentation_prose(parity: int) -> str:
 
 
 def _math() -> str:
-    rows = [json.loads(line) for line in (DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:3000]]
+    rows = textdata.records(textdata.GSM8K_TRAIN)[:3000]
     return "\n\n".join(f"{row['question']}\n{row['answer']}" for row in rows)
 
 
 def _chat() -> str:
-    rows = [json.loads(line) for line in (DATA / "self_instruct" / "seed_tasks.jsonl").read_text().splitlines()]
+    rows = textdata.records(textdata.SELF_INSTRUCT)
     parts = []
     for row in rows:
         for instance in row.get("instances", []):

@@ -13,23 +13,26 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from offload.config import ModelConfig
-from offload.packing import ALIGNMENT, LayerLayout, TensorSlot
-from offload.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
-from offload.weights import HF_GLOBAL_NAMES
+from offload.model.config import ModelConfig
+from offload.weights.disk_errors import write_text_atomic
+from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
+from offload.weights.formats import packed_method
+from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
+from offload.weights.source import HF_GLOBAL_NAMES
+from offload.weights.tokenizer import copy_tokenizer_files
 from .spqr_format import SpqrMatrix, packed_linears
 
-FORMAT_NAME, FORMAT_VERSION = "specstream-spqr", 1
+FORMAT_NAME, FORMAT_VERSION = "specstream-spqr", 2
+# Version 2: a matrix quantized without act-order stores an empty permutation (none is gathered at run
+# time); version 1 always stored one. Both load.
+READABLE_VERSIONS = (1, 2)
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 GLOBALS_FILE = "globals.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 
 
 def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -67,10 +70,8 @@ def write_config(folder: Path, source_folder: Path, quantization: dict, source_n
     if source_name:
         raw["specstream_source"] = source_name
     raw["quantization_config"] = {"quant_method": FORMAT_NAME, "format_version": FORMAT_VERSION, **quantization}
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (source_folder / name).exists():
-            shutil.copyfile(source_folder / name, folder / name)
+    write_text_atomic(folder / "config.json", json.dumps(raw, indent=2) + "\n")
+    copy_tokenizer_files(source_folder, folder)
 
 
 def _layer_key(index: int) -> str:
@@ -78,15 +79,11 @@ def _layer_key(index: int) -> str:
 
 
 class SpqrFormat:
-    """Registered with the engine by the runtime: claims folders whose config names this format."""
+    """Handed to the loader by the runtime: claims folders whose config names this format."""
     name = FORMAT_NAME
 
     def claims(self, folder: Path) -> bool:
-        config = folder / "config.json"
-        if not config.is_file():
-            return False
-        method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method")
-        return method == FORMAT_NAME
+        return packed_method(folder) == FORMAT_NAME
 
     def open(self, folder: Path, config: ModelConfig) -> "SpqrSource":
         return SpqrSource(folder, config)
@@ -107,10 +104,10 @@ class SpqrSource:
     def _check_layer(self, index: int, opened: SafetensorsFile) -> LayerLayout:
         """The layer's inner layout, checked against its file and the model's shapes (before generation)."""
         where = f"{opened.path}"
-        if opened.metadata.get("format") != FORMAT_NAME or opened.metadata.get("version") != str(FORMAT_VERSION):
+        if opened.metadata.get("format") != FORMAT_NAME or opened.metadata.get("version") not in map(str, READABLE_VERSIONS):
             raise CorruptCheckpointError(f"{where}: format {opened.metadata.get('format')!r} version "
                                          f"{opened.metadata.get('version')!r}; this build reads {FORMAT_NAME} "
-                                         f"version {FORMAT_VERSION}")
+                                         f"versions {READABLE_VERSIONS}")
         try:
             layout = LayerLayout.from_dict(json.loads(opened.metadata["layout"]))
         except (KeyError, ValueError, TypeError) as err:
@@ -164,9 +161,9 @@ class SpqrSource:
 
 def _read_quantization(folder: Path) -> dict:
     raw = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
-    if raw.get("format_version") != FORMAT_VERSION:
+    if raw.get("format_version") not in READABLE_VERSIONS:
         raise CorruptCheckpointError(f"{folder / 'config.json'}: {FORMAT_NAME} format version "
-                                     f"{raw.get('format_version')!r}; this build reads version {FORMAT_VERSION}")
+                                     f"{raw.get('format_version')!r}; this build reads versions {READABLE_VERSIONS}")
     for key in ("bits", "groupsize", "stats_bits"):
         if not isinstance(raw.get(key), int):
             raise CorruptCheckpointError(f"{folder / 'config.json'}: quantization_config lacks {key}")

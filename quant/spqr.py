@@ -107,7 +107,7 @@ class _State:
             return None
         return pack_matrix(shape, config.bits, config.groupsize, config.stats_bits, self.codes,
                            self.scale_codes.to(torch.uint8), self.zero_codes.to(torch.uint8), self.stat_params,
-                           perm, self.outliers, W)
+                           perm if config.act_order else perm[:0], self.outliers, W)
 
 
 def _quantize_block(W: Tensor, U: Tensor, d: Tensor, start: int, end: int, threshold: float, state: _State,

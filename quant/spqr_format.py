@@ -34,10 +34,15 @@ class SpqrMatrix:
     scale_codes: Tensor         # [packed] uint8: out x groups
     zero_codes: Tensor          # [packed] uint8: out x groups
     stat_params: Tensor         # [runs, groups, 4] fp16: scale's (scale, zero), zero's (scale, zero)
-    perm: Tensor                # [in] int16/int32: column of W held by each permuted column
+    perm: Tensor                # [in] int16/int32: column of W held by each permuted column; [0]: identity
     outlier_rows: Tensor        # [out + 1] int16 (int32 past 32767 outliers) CSR row pointers
     outlier_cols: Tensor        # [nnz] int16/int32 permuted column of each outlier
     outlier_values: Tensor      # [nnz] fp16 exact weights
+
+    @property
+    def is_permuted(self) -> bool:
+        """False when quantized in input order (no act-order): no permutation is stored or applied."""
+        return self.perm.numel() > 0
 
     @property
     def num_groups(self) -> int:
@@ -65,8 +70,8 @@ class SpqrMatrix:
         expected = {"codes": (packed_bytes(out * inp, self.bits),),
                     "scale_codes": (packed_bytes(out * self.num_groups, self.stats_bits),),
                     "zero_codes": (packed_bytes(out * self.num_groups, self.stats_bits),),
-                    "stat_params": (runs, self.num_groups, 4), "perm": (inp,), "outlier_rows": (out + 1,),
-                    "outlier_cols": (self.num_outliers,)}
+                    "stat_params": (runs, self.num_groups, 4), "perm": (inp if self.is_permuted else 0,),
+                    "outlier_rows": (out + 1,), "outlier_cols": (self.num_outliers,)}
         for part, shape in expected.items():
             if tuple(getattr(self, part).shape) != shape:
                 raise ValueError(f"{name}.{part} has shape {tuple(getattr(self, part).shape)}, expected {shape}")
@@ -85,13 +90,13 @@ class SpqrMatrix:
             weight = _try_fused(self, dtype) if uses_fused_kernel(self) else None
             weight = self._dequantize_torch(dtype, statistics) if weight is None else weight
         else:
-            weight = (_fused_kernel().dequantize_permuted(self, dtype) if fused
+            weight = (_fused_kernel().dequantize_permuted(self, dtype, STATS_RUN) if fused
                       else self._dequantize_torch(dtype, statistics))
         if self.num_outliers:
             rows = torch.repeat_interleave(torch.arange(self.shape[0], device=weight.device), self.outlier_rows.diff().long(),
                                            output_size=self.num_outliers)
             weight[rows, self.outlier_cols.long()] = self.outlier_values.to(dtype)
-        if permuted:
+        if permuted or not self.is_permuted:
             return weight
         dense = torch.empty_like(weight)
         dense[:, self.perm.long()] = weight
@@ -188,7 +193,7 @@ def _try_fused(matrix: SpqrMatrix, dtype: torch.dtype) -> Tensor | None:
     if kernel is None or _FUSED_FAILED:
         return None
     try:
-        return kernel.dequantize_permuted(matrix, dtype)
+        return kernel.dequantize_permuted(matrix, dtype, STATS_RUN)
     except Exception as err:     # a Triton build that cannot compile for this GPU must not stop generation
         _FUSED_FAILED.append(str(err))
         warnings.warn(f"SpQR: the fused Triton kernel failed ({type(err).__name__}: {str(err)[:200]}); "
@@ -234,6 +239,8 @@ class SpqrLinear:
         """x [..., in] -> [..., out]: W x = W[:, perm] x[perm], so the inputs are gathered instead of
         the weight's columns scattered."""
         weight = self.weight if self.weight is not None else self._dequantize()
+        if not self.matrix.is_permuted:
+            return F.linear(x, weight)
         return F.linear(x[..., self.matrix.perm.long()], weight)
 
     def _dequantize(self) -> Tensor:
@@ -276,7 +283,8 @@ def pack_matrix(shape: tuple[int, int], bits: int, groupsize: int, stats_bits: i
                 scale_codes: Tensor, zero_codes: Tensor, stat_params: Tensor, perm: Tensor,
                 outlier_mask: Tensor, permuted_weight: Tensor) -> SpqrMatrix:
     """Assembles the stored form from unpacked parts: codes [out, in] (permuted columns), stats codes
-    [out, groups], stat_params [runs, groups, 4], perm [in], outlier_mask / permuted_weight [out, in]."""
+    [out, groups], stat_params [runs, groups, 4], perm [in] or [0] (input order: none stored),
+    outlier_mask / permuted_weight [out, in]."""
     out, inp = shape
     index_dtype = torch.int16 if inp <= torch.iinfo(torch.int16).max else torch.int32
     rows, cols = outlier_mask.nonzero(as_tuple=True)

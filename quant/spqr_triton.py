@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .spqr_format import STATS_RUN, SpqrMatrix
 
 BLOCK = 1024
 
@@ -52,12 +51,14 @@ def _dequantize_kernel(codes, scale_codes, zero_codes, stat_params, out, rows, c
     tl.store(out + index, (code * scale + (-zero * scale)).to(out.dtype.element_ty), mask=valid)
 
 
-def dequantize_permuted(matrix: SpqrMatrix, dtype: torch.dtype) -> Tensor:
-    """SpqrMatrix -> [out, in] `dtype` weight, columns in stored order, outliers not yet applied."""
+def dequantize_permuted(matrix, dtype: torch.dtype, stats_run: int) -> Tensor:
+    """quant.spqr_format.SpqrMatrix (its packed fields; this module imports nothing of the format) ->
+    [out, in] `dtype` weight, columns in stored order, outliers not yet applied. stats_run: rows per
+    second-level fp16 scale/zero."""
     rows, cols = matrix.shape
     weight = torch.empty(rows, cols, dtype=dtype, device=matrix.codes.device)
     grid = (triton.cdiv(rows * cols, BLOCK),)
     _dequantize_kernel[grid](matrix.codes, matrix.scale_codes, matrix.zero_codes, matrix.stat_params, weight, rows,
                              cols, matrix.codes.numel(), matrix.scale_codes.numel(), BITS=matrix.bits,
-                             STATS_BITS=matrix.stats_bits, GROUP=matrix.groupsize, RUN=STATS_RUN, BLOCK=BLOCK)
+                             STATS_BITS=matrix.stats_bits, GROUP=matrix.groupsize, RUN=stats_run, BLOCK=BLOCK)
     return weight

@@ -7,7 +7,7 @@ import time
 import torch
 
 from offload import LoadedModel
-from offload.gguf_import import cache_root
+from offload.weights.gguf_import import cache_root
 from spec.budget import BudgetChooser, load_curve, probe_pass_times, save_curve
 
 
@@ -26,7 +26,8 @@ def auto_budget(target: LoadedModel, max_budget: int, on_status=None) -> BudgetC
 
 def curve_key(target: LoadedModel, max_budget: int) -> dict:
     """What the pass time depends on: the weights, where the plan put them, the device and dtype."""
-    weights = sorted(target.path.glob("*.safetensors"))
+    # a GGUF run in place: its file (the model folder holds only config and tokenizer)
+    weights = sorted(target.source.file_paths() if target.source else target.path.glob("*.safetensors"))
     plan = target.plan
     return {"model": str(target.path.resolve()),
             "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],

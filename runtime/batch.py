@@ -11,13 +11,13 @@ and vLLM's batch runners write, so the output accounts for every request.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from offload.weights.disk_errors import append_text, writing
 from spec import SamplingConfig
 
 CHAT_URL = "/v1/chat/completions"
@@ -157,12 +157,18 @@ def completed_ids(path: Path) -> set[str]:
 
 
 Generate = Callable[[BatchItem, SamplingConfig, int], tuple[str, dict]]
+Job = tuple[BatchItem, SamplingConfig, int]
+# generate_many(jobs, on_done): answers every job, many at once, calling on_done(item, (text, report)) or
+# on_done(item, error message) as each ends (completion order)
+GenerateMany = Callable[[list[Job], Callable[[BatchItem, "tuple[str, dict] | str"], None]], None]
 
 
-def run_batch(in_path: Path, out_path: Path, generate: Generate, sampling: SamplingConfig,
+def run_batch(in_path: Path, out_path: Path, generate: Generate | None, sampling: SamplingConfig,
               max_new_tokens: int, model_name: str,
-              on_progress: Callable[[int, int], None] | None = None) -> BatchSummary:
-    """`generate(item, sampling, max_tokens) -> (text, report)` where report carries token counts."""
+              on_progress: Callable[[int, int], None] | None = None,
+              generate_many: GenerateMany | None = None) -> BatchSummary:
+    """`generate(item, sampling, max_tokens) -> (text, report)` where report carries token counts; or,
+    given `generate_many`, requests run together and each line is written as its request ends."""
     summary = BatchSummary()
     items = read_inputs(in_path, summary)
     done = completed_ids(out_path)
@@ -170,15 +176,37 @@ def run_batch(in_path: Path, out_path: Path, generate: Generate, sampling: Sampl
     summary.num_done_before = len(items) - len(pending)
     if on_progress:
         on_progress(0, len(pending))
-    with open(out_path, "a", encoding="utf-8") as out:
-        for index, item in enumerate(pending, start=1):
-            line = _answer(item, generate, sampling, max_new_tokens, model_name, summary)
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            if on_progress:
-                on_progress(index, len(pending))
+    resume = f"rerun `specstream batch {in_path} -o {out_path}` with the same flags (answered ids are skipped)"
+    answered = [0]
+
+    def write(line: dict) -> None:
+        saved = f"{summary.num_done_before + answered[0]} of {len(items)} answers in {out_path}"
+        with writing(out_path, saved, resume):
+            append_text(out_path, json.dumps(line, ensure_ascii=False) + "\n")
+        answered[0] += 1
+        if on_progress:
+            on_progress(answered[0], len(pending))
+
+    if generate_many is None:
+        for item in pending:
+            write(_answer(item, generate, sampling, max_new_tokens, model_name, summary))
+        return summary
+    for item in pending:
+        if item.error:
+            write(_error_line(item, item.error, item.error_code))
+    jobs = [(item, _item_sampling(item, sampling), item.max_tokens or max_new_tokens)
+            for item in pending if not item.error]
+    generate_many(jobs, lambda item, outcome: write(_outcome_line(item, outcome, model_name, summary)))
     return summary
+
+
+def _outcome_line(item: BatchItem, outcome: "tuple[str, dict] | str", model_name: str,
+                  summary: BatchSummary) -> dict:
+    if isinstance(outcome, str):
+        summary.num_failed += 1
+        return _error_line(item, outcome)
+    summary.num_completed += 1
+    return _success_line(item, *outcome, model_name)
 
 
 def _answer(item: BatchItem, generate: Generate, sampling: SamplingConfig, max_new_tokens: int,

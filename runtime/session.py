@@ -6,19 +6,22 @@ from pathlib import Path
 
 import torch
 
-from offload import LoadedModel, LoadOptions, StreamDecoder, load_model
+from offload import LoadedModel, LoadOptions, StreamDecoder
 from offload.devices import choose_device, choose_dtype
 from offload.planner import PlanError
-from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig
+from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
+from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from spec.budget import check_budget
 from spec.draft import is_draft_folder, load_draft
 from .auto_budget import auto_budget
-from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for,
-                          new_speculator)
+from .models import load_model, weight_formats
+from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for)
 from .stop import HeldBackText, StopStrings
 
 
 MIN_PASS_TOKENS = 512      # prefill chunk: the smallest workspace a session plans for
+# `--batch-size auto`'s ceiling: on the CPU a packed pass attends over every slot's keys (see SlotCache)
+AUTO_MAX_BATCH = {"cpu": 8, "cuda": 64}
 
 
 class UserError(Exception):
@@ -40,10 +43,15 @@ class RuntimeConfig:
     budget: int | None = None       # tree tokens per step; None: chosen automatically
     judge: str | None = None        # AutoJudge file or "default": lossy acceptance of unimportant mismatches
     judge_threshold: float | None = None
+    gguf_import: bool = False       # a GGUF target is dequantized to a safetensors folder, not run in place
+    batch_size: int | None = 1      # sequences decoded together (a KV cache slot each); None: auto, from the plan
+    max_batch: int = 64             # the most auto picks (e.g. the number of requests to answer)
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
             raise ValueError("--draft and --no-draft exclude each other")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch size must be 'auto' or a positive integer, got {self.batch_size}")
         if self.max_context < 16:
             raise ValueError(f"context must be at least 16 tokens, got {self.max_context}")
         if self.budget is not None:
@@ -70,10 +78,10 @@ class Session:
         max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
         self.target, max_budget = self._load_target(max_budget, on_status, on_progress)
         self.tokenizer = self.target.tokenizer
-        self.model_name = self.target.path.name if config.target else "SmolLM2-135M-Instruct"
+        self.model_name = DEFAULT_MODEL_NAME if is_default_model(config.target) else self.target.path.name
         self.draft = self._load_draft(on_status, on_warning, on_progress)
         decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens)
-        speculator = new_speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
+        speculator = Speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
             if self.draft else None
         self._streamed_before = 0
         self.policy = self._policy()
@@ -88,13 +96,27 @@ class Session:
             self.options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
                                        gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
                                        max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
-                                       draft_bytes=self._draft_bytes())
+                                       draft_bytes=self._draft_bytes(), formats=weight_formats(),
+                                       gguf_import=config.gguf_import)
+            self.options.num_sequences = self._batch_size(self.options)
             try:
                 return _load_target(self.options, on_status, on_progress), max_budget
             except PlanError as err:
                 if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
                     raise UserError(str(err)) from None
                 max_budget //= 2
+
+    def _batch_size(self, options: LoadOptions) -> int:
+        """The batch the plan sizes the KV cache for: the configured one, or auto's pick."""
+        if self.config.batch_size is not None:
+            return self.config.batch_size
+        from offload.loader import largest_batch_for
+        cap = min(self.config.max_batch, AUTO_MAX_BATCH[choose_device(self.config.device).type])
+        return max(1, largest_batch_for(options, cap))
+
+    @property
+    def batch_size(self) -> int:
+        return self.options.num_sequences
 
     @property
     def draft_path(self) -> Path | None:
@@ -109,7 +131,8 @@ class Session:
             return None
         draft_options = LoadOptions(None, self.config.device, "auto", self.config.allow_download,
                                     gpu_mem=self.config.gpu_mem, max_context=self.config.max_context,
-                                    max_pass_tokens=self.options.max_pass_tokens)
+                                    max_pass_tokens=self.options.max_pass_tokens, formats=weight_formats(),
+                                    gguf_import=self.config.gguf_import)
         try:
             return load_draft_for(self.draft_choice, self.target, draft_options, on_status, on_progress)
         except DraftUnavailable as err:
@@ -125,6 +148,14 @@ class Session:
         judge = load_judge_for(self.config.judge, self.target.model.embed, self.target.config.hidden_size)
         threshold = self.config.judge_threshold
         return JudgePolicy(judge, default_threshold(judge) if threshold is None else threshold)
+
+    @property
+    def judge_cost(self) -> dict | None:
+        """The judge file's held-out evaluation at the threshold in use (None without --judge)."""
+        if self.policy is None:
+            return None
+        from judge.held_out import judge_cost
+        return judge_cost(self.policy.judge.evaluation, self.policy.threshold)
 
     def _budget(self, max_budget: int, on_status):
         if self.draft is None:
@@ -167,9 +198,17 @@ class Session:
         self.decoder.reset()
 
     def close(self) -> None:
-        self.target.layers.close()
+        """Stops and joins the target's and the draft's loader threads; `with Session(...)` calls it on
+        success, on an error and on Ctrl-C (a daemon loader left inside a torch op at exit aborts the process)."""
+        self.target.close()
         if self.draft:
             self.draft.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def peak_device_bytes(self) -> int:
         if self.target.model.device.type == "cuda":
@@ -206,7 +245,7 @@ class Session:
             "speculative": stats.speculative,
             "lossy": self.policy is not None,
             "judge_accepted": stats.policy_accepted,
-            **({"judge_threshold": self.policy.threshold} if self.policy else {}),
+            **({"judge_threshold": self.policy.threshold, "judge": self.judge_cost} if self.policy else {}),
             **({"speculation": stats.speculation_report()} if stats.speculative else {}),
             "engine": self.engine_stats(),
         }

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload import LoadedModel, LoadOptions
-from offload.config import ModelConfig
+from offload.model.config import ModelConfig
 from offload.devices import choose_device
-from spec import Draft, Speculator, default_draft_for, load_any_draft
-from offload.sources import ModelNotFoundError
+from spec import Draft, default_draft_for, load_any_draft
+from offload.weights.resolve import ModelNotFoundError
 from spec.draft_folder import is_draft_folder, read_draft_info
 from spec.tokenizer_match import TokenizerMismatchError
 
@@ -67,6 +67,3 @@ def load_draft_for(choice: DraftChoice, target: LoadedModel, options: LoadOption
         raise DraftUnavailable(f"draft {choice.spec} could not be loaded ({err}); decoding without speculation") \
             from err
 
-
-def new_speculator(draft: Draft, max_context: int, max_budget: int, max_pass_tokens: int) -> Speculator:
-    return Speculator(draft, max_context, max_budget, max_pass_tokens)

@@ -258,24 +258,53 @@ class BudgetChooser:
         self.last_choice = best["budget"]
         return self.last_choice
 
-    def prior_budget(self) -> int:
-        """The largest grid budget whose pass costs <= prior_time_factor * t(1), at least 2."""
-        limit = self.prior_time_factor * self.curve.seconds(1)
-        fitting = [b for b in self.grid if self.curve.seconds(b) <= limit]
-        return max(fitting + [min(2, self.max_budget)])
+    def prior_budget(self, num_sequences: int = 1, max_pass_tokens: int | None = None) -> int:
+        """The largest grid budget b whose pass over num_sequences trees of b tokens costs
+        <= prior_time_factor * t(num_sequences), at least 2 (where the pass holds it)."""
+        k = num_sequences
+        limit = self.prior_time_factor * self.curve.seconds(k)
+        fitting = [b for b in self._fitting(k, max_pass_tokens) if self.curve.seconds(k * b) <= limit]
+        smallest = 2 if 2 in self._fitting(k, max_pass_tokens) else 1
+        return max(fitting + [min(smallest, self.max_budget)])
 
-    def estimates(self) -> list[dict]:
-        """Per grid budget: expected accepted length, pass/draft/overhead seconds and tokens/second."""
+    def split(self, num_sequences: int, max_pass_tokens: int) -> int:
+        """Each tree's budget when `num_sequences` trees share one pass of at most max_pass_tokens tokens:
+        the grid budget with the highest rate across the batch (see estimates); the prior until a tree of
+        >= 2 tokens has been observed (or again after `window` steps at budget 1)."""
+        k = max(num_sequences, 1)
+        stale = self._last_tree_step < 0 or self._step - self._last_tree_step > self.window * k
+        fitting = set(self._fitting(k, max_pass_tokens))
+        if len(fitting) < 2 or stale:
+            self.last_choice = self.prior_budget(k, max_pass_tokens)
+            return self.last_choice
+        rows = [row for row in self.estimates(k) if row["budget"] in fitting]
+        self.last_choice = max(rows, key=lambda e: (e["rate"], -e["budget"]))["budget"]
+        return self.last_choice
+
+    def observe_pass(self, num_tokens: int, seconds: float) -> None:
+        """A packed pass's target time over `num_tokens` tokens (many trees and prompt chunks in one pass);
+        what `observe` learns from target_seconds when one tree is the whole pass."""
+        self._passes.add(num_tokens, max(seconds, 0.0), self._step)
+
+    def _fitting(self, num_sequences: int, max_pass_tokens: int | None) -> list[int]:
+        limit = max_pass_tokens if max_pass_tokens is not None else math.inf
+        return [b for b in self.grid if b == 1 or num_sequences * b <= limit]
+
+    def estimates(self, num_sequences: int = 1) -> list[dict]:
+        """Per grid budget b: expected accepted length, pass/draft/overhead seconds and tokens/second when
+        num_sequences = k trees of b tokens share a pass: k (A(b) + 1) / (t(k b) + k draft(b) + k overhead(b)),
+        draft and overhead being each tree's share (for k = 1, the single-sequence rate)."""
+        k = num_sequences
         draft, overhead = self._draft.curve(), self._overhead.curve()
         rows = []
         for b, accepted in zip(self.grid, self.expected_accepted()):
-            pass_seconds = self.pass_seconds(b)
-            draft_seconds = draft.seconds(b) if draft and b > 1 else 0.0
-            overhead_seconds = overhead.seconds(b) if overhead else 0.0
+            pass_seconds = self.pass_seconds(k * b)
+            draft_seconds = k * draft.seconds(b) if draft and b > 1 else 0.0
+            overhead_seconds = k * overhead.seconds(b) if overhead else 0.0
             total = pass_seconds + draft_seconds + overhead_seconds
             rows.append({"budget": b, "accepted": accepted, "pass_seconds": pass_seconds,
                          "draft_seconds": draft_seconds, "overhead_seconds": overhead_seconds,
-                         "rate": (accepted + 1) / total if total > 0 else math.inf})
+                         "rate": k * (accepted + 1) / total if total > 0 else math.inf})
         return rows
 
     def pass_seconds(self, budget: int) -> float:

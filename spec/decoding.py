@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from offload import DecoderModel, ForwardOutput, KVCache
+from offload.host_sync import send
 from .grow import MAX_CHILDREN, MAX_DEPTH, GrowthConfig
 from .penalties import Penalties
 from .sampling import SamplingConfig, make_generator, sample
@@ -172,14 +173,7 @@ class Decoder:
     def _cut(self, emitted: list[int], answer: list[int], stop: StopCondition | None) -> tuple[int, str]:
         """How many of a step's tokens to emit after `answer`, and why generation stops there ("" if it
         goes on)."""
-        for index, token in enumerate(emitted, start=1):
-            if token in self.stop_ids:
-                return index, "eos"
-            if stop is not None and stop.reached(answer + emitted[:index]):
-                return index, "stop_string"
-            if len(answer) + index >= self.config.max_new_tokens:
-                return index, "length"
-        return len(emitted), ""
+        return cut_answer(emitted, answer, self.stop_ids, stop, self.config.max_new_tokens)
 
     def _step(self, answer: list[int], sampling: SamplingConfig, generator, stats: DecodeStats) -> list[int]:
         """One target pass over a tree rooted at the answer's last token -> the tokens it yields (accepted
@@ -188,27 +182,31 @@ class Decoder:
         root = answer[-1]
         penalties = Penalties.before(sampling, self.cached_ids, answer[:-1], self._logit_level)
         budget = self._fitting_budget()
-        tree, slots, draft_seconds = Tree.root_only(root), None, 0.0
+        slots, draft_seconds = None, 0.0
         if budget > 1 and self.speculator:
             growth = self.config.growth(budget, self.config.max_new_tokens - stats.num_new_tokens)
             tree, slots = self.speculator.propose(self.cached_ids, root, growth, penalties)
             draft_seconds = self.speculator.forward_seconds
+        else:
+            tree = Tree.root_only(root)
         verified = time.perf_counter()
         output = self._verify_pass(tree)
+        self.target.synchronize()     # the choices' read below would wait anyway; here it is timed as the pass
         target_seconds = time.perf_counter() - verified
         logits = output.logits[0]                                                      # [N, V]
         if penalties:
-            logits = penalties.apply(logits, tree.path_tokens().to(logits.device))
+            logits = penalties.apply(logits, send(tree.path_tokens(), logits.device))
         choices = target_choices(logits, sampling, generator).to(tree.tokens.device)
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         if sampling.repetition_penalty != 1.0:       # the level at the newest position, for the next tree
             self._logit_level = float(output.logits[0, path[-1]].logsumexp(-1))
-        yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
+        path_tokens = torch.cat((tree.tokens[path], choices[path[-1:]])).tolist()   # one read: path + next token
+        yielded = path_tokens[1:]
         if not self.policy.is_lossless:      # accepted tokens that are not the target's own choice
             stats.policy_accepted += int((~matches_target(tree, choices))[path[1:]].sum())
         self.cache.commit(path)
-        self.cached_ids.extend(tree.tokens[path].tolist())
+        self.cached_ids.extend(path_tokens[:-1])
         if slots is not None:
             self.speculator.accept(tree, slots, path)
         overhead = time.perf_counter() - began - draft_seconds - target_seconds
@@ -230,6 +228,20 @@ class Decoder:
         return self.target.forward(tokens, self.cache, tree.positions(length),
                                    tree.attention_mask(length, self.target.device),
                                    return_hidden=self.policy.needs_hidden)
+
+
+def cut_answer(emitted: list[int], answer: list[int], stop_ids: set[int], stop: StopCondition | None,
+               max_new_tokens: int) -> tuple[int, str]:
+    """How many of a step's `emitted` tokens follow `answer`, and why generation stops there ("" if it goes
+    on): token by token in order, so exactly where one-token decoding would stop."""
+    for index, token in enumerate(emitted, start=1):
+        if token in stop_ids:
+            return index, "eos"
+        if stop is not None and stop.reached(answer + emitted[:index]):
+            return index, "stop_string"
+        if len(answer) + index >= max_new_tokens:
+            return index, "length"
+    return len(emitted), ""
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

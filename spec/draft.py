@@ -16,15 +16,16 @@ from torch import Tensor
 
 from offload import DecoderModel, ForwardOutput, KVCache, LoadedModel, LoadOptions, Tokenizer, load_model
 from offload.budgets import default_device_budget
-from offload.config import ModelConfig
+from offload.model.config import ModelConfig
 from offload.devices import choose_device, choose_draft_dtype
 from offload.loader import stop_token_ids
-from offload.packing import LayerLayout
+from offload.weights.packing import LayerLayout
 from offload.planner import PlanRequest, make_plan
 from offload.resident import to_device
-from offload.sources import resolve_model
+from offload.weights.resolve import is_default_model, resolve_model
 from offload.stream import StreamingLayers
-from .draft_folder import is_draft_folder, read_draft_info, read_draft_tensors, target_embedding
+from .draft_folder import (check_shared_embedding, is_draft_folder, read_draft_info, read_draft_tensors,
+                           target_embedding)
 from .penalties import Penalties
 from .tokenizer_match import check_tokenizers_match
 from .vocab_map import expand_to_target_vocab
@@ -41,15 +42,17 @@ class DraftDecoderModel(DecoderModel):
 
     def forward_trimmed(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                         mask: Tensor | None = None, return_hidden: bool = False,
-                        last_only: bool = False, keep_pending: bool = False) -> ForwardOutput:
+                        last_only: bool = False, keep_pending: bool = False,
+                        rows: Tensor | None = None) -> ForwardOutput:
         """As DecoderModel.forward, with logits [B, N, K] over the draft's rows (map: self.vocab_map)."""
-        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only, keep_pending)
+        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows)
         return ForwardOutput(out.logits + self.head_bias, out.hidden)
 
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None,
-                return_hidden: bool = False, last_only: bool = False, keep_pending: bool = False) -> ForwardOutput:
+                return_hidden: bool = False, last_only: bool = False, keep_pending: bool = False,
+                rows: Tensor | None = None) -> ForwardOutput:
         """logits [B, N, V] over target ids; tokens outside the draft's vocabulary get -inf."""
-        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only, keep_pending)
+        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows)
         return ForwardOutput(expand_to_target_vocab(out.logits, self.vocab_map, self.config.vocab_size), out.hidden)
 
 
@@ -67,6 +70,7 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
         if on_status:
             on_status(f"draft {folder.name}: reading the token embedding of its target ({info.target})")
         embed = target_embedding(info, folder, target_folder)
+    check_shared_embedding(info, folder, embed)
     # Looked-up embedding rows are cast to the compute dtype, so the table stays in its own dtype: a
     # running target's is shared, not copied.
     globals_ = {"embed": embed.to(device), **to_device({"norm": stored["norm"], "lm_head": stored["lm_head"]},
@@ -91,7 +95,7 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
 def default_draft_for(target: str | None) -> Path | None:
     """The shipped draft for a target spec (None / "default": the embedded model, or a folder derived
     from it, e.g. its SpQR checkpoint, whose config says `"specstream_source": "default"`), if one exists."""
-    if target not in (None, "default") and _derived_from(target) != "default":
+    if not is_default_model(target) and _derived_from(target) != "default":
         return None
     return DEFAULT_TARGET_DRAFT if (DEFAULT_TARGET_DRAFT / "config.json").exists() else None
 
@@ -140,9 +144,20 @@ class Draft:
         negative ones multiplied) and a distilled draft's logits sit lower than its target's (top-1 ~13 vs
         ~25 on the default pair), so the rows are first shifted, all by one constant, to the target's
         log-sum-exp at the newest position; presence and frequency penalties do not depend on it."""
+        return self.to_log_probs(self.logits(tokens, cache, positions, mask, last_only, keep_pending),
+                                 penalties, paths)
+
+    def logits(self, tokens: Tensor, cache, positions: Tensor | None = None, mask: Tensor | None = None,
+               last_only: bool = False, keep_pending: bool = False, rows: Tensor | None = None) -> Tensor:
+        """tokens [1, N] -> [N, K] float32 logits over the draft's rows ([1, K] last_only, [R, K] rows);
+        `cache` a KVCache or a SlotCache (a packed pass over many sequences)."""
         forward = self.model.forward_trimmed if self.is_trimmed else self.model.forward
-        logits = forward(tokens, cache, positions, mask, last_only=last_only, keep_pending=keep_pending).logits
-        logits = logits[0, :, :self.num_rows].float()                                   # [N, K]
+        logits = forward(tokens, cache, positions, mask, last_only=last_only, keep_pending=keep_pending,
+                         rows=rows).logits
+        return logits[0, :, :self.num_rows].float()
+
+    def to_log_probs(self, logits: Tensor, penalties: Penalties | None = None, paths: Tensor | None = None) -> Tensor:
+        """One sequence's logits [N, K] -> log-probabilities [N, K] under its `penalties` (see log_probs)."""
         if penalties is not None:
             if penalties.repetition != 1.0:
                 logits = logits - logits.logsumexp(-1).mean() + penalties.logit_level
@@ -174,4 +189,5 @@ def load_any_draft(spec: str | Path, target: LoadedModel, options: LoadOptions, 
 
 def _draft_options(options: LoadOptions, model: str) -> LoadOptions:
     return LoadOptions(model, options.device, options.dtype, options.allow_download, gpu_mem=options.gpu_mem,
-                       ram=options.ram, max_context=options.max_context, max_pass_tokens=options.max_pass_tokens)
+                       ram=options.ram, max_context=options.max_context, max_pass_tokens=options.max_pass_tokens,
+                       formats=options.formats)

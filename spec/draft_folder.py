@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.config import ModelConfig
-from offload.safetensors_io import SafetensorsFile
-from offload.sources import resolve_model
-from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, CheckpointSource, layer_tensor_names
+from offload.model.config import ModelConfig
+from offload.weights.formats import open_source
+from offload.weights.gguf_source import expected_shapes
+from offload.weights.safetensors_io import SafetensorsFile
+from offload.weights.resolve import resolve_model
+from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES, layer_tensor_names
 
 DRAFT_FORMAT, DRAFT_VERSION = "specstream-draft", 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 VOCAB_MAP_KEY = "specstream.vocab_map"
 HEAD_BIAS_KEY = "lm_head.bias"
 SCALE_SUFFIX = "_scale"
@@ -58,29 +58,52 @@ class DraftInfo:
 
     @classmethod
     def from_dict(cls, raw: dict, folder: Path) -> "DraftInfo":
-        if raw.get("format") != DRAFT_FORMAT or raw.get("version") != DRAFT_VERSION:
+        if not isinstance(raw, dict) or raw.get("format") != DRAFT_FORMAT or raw.get("version") != DRAFT_VERSION:
+            raw = raw if isinstance(raw, dict) else {}
             raise DraftFormatError(f"{folder}: specstream_draft block is format {raw.get('format')!r} version "
                                    f"{raw.get('version')!r}; this build reads {DRAFT_FORMAT!r} version {DRAFT_VERSION}")
-        names = ("kind", "target_layers_reused", "vocab_top", "target", "target_embedding_fingerprint",
-                 "init_layers", "training")
-        return cls(**{name: raw[name] for name in names if name in raw})
+        required = ("kind", "target_layers_reused", "vocab_top", "target", "target_embedding_fingerprint")
+        missing = [name for name in required if name not in raw]
+        if missing:
+            raise DraftFormatError(f"{folder / 'config.json'}: specstream_draft block lacks {', '.join(missing)}")
+        return cls(**{name: raw[name] for name in (*required, "init_layers", "training") if name in raw})
 
 
 def is_draft_folder(path: str | Path) -> bool:
-    config = Path(path).expanduser() / "config.json"
-    return config.is_file() and "specstream_draft" in json.loads(config.read_text())
+    return "specstream_draft" in _read_config(Path(path).expanduser())
+
+
+def _read_config(folder: Path) -> dict:
+    """config.json as a dict ({} where there is none); a file that is not a JSON object is refused."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DraftFormatError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise DraftFormatError(f"{path} is not a JSON object")
+    return raw
 
 
 def read_draft_info(folder: str | Path) -> DraftInfo:
+    """The specstream_draft block, after checking the folder's model config parses."""
     folder = Path(folder)
-    if not is_draft_folder(folder):
+    raw = _read_config(folder)
+    if "specstream_draft" not in raw:
         raise DraftFormatError(f"{folder} is not a draft folder (no config.json with a specstream_draft block)")
-    return DraftInfo.from_dict(json.loads((folder / "config.json").read_text())["specstream_draft"], folder)
+    try:
+        ModelConfig.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as err:
+        problem = f"lacks {err}" if isinstance(err, KeyError) else str(err)
+        raise DraftFormatError(f"{folder / 'config.json'}: not a usable model config ({problem})") from None
+    return DraftInfo.from_dict(raw["specstream_draft"], folder)
 
 
 def embedding_fingerprint(embed: Tensor) -> str:
     """Shape plus a hash of every 97th row in float32: cheap, and tells models apart."""
-    rows = embed[::97].float().contiguous()
+    rows = embed[::97].float().cpu().contiguous()
     digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
     return f"{tuple(embed.shape)}:{digest}"
 
@@ -89,12 +112,21 @@ def target_embedding(info: DraftInfo, folder: Path, target_folder: str | Path | 
     """[V, H] the target's token embedding, checked against the draft's fingerprint."""
     source_folder = Path(target_folder) if target_folder else resolve_model(None if info.target == "default"
                                                                             else info.target)
-    embed = CheckpointSource(source_folder).global_tensors()["embed"]
+    embed = open_source(source_folder, ModelConfig.from_file(source_folder)).global_tensors()["embed"]
     if embedding_fingerprint(embed) != info.target_embedding_fingerprint:
         raise DraftFormatError(f"draft {folder} was distilled from a target whose embedding differs from "
                                f"{source_folder}'s (fingerprint {info.target_embedding_fingerprint} vs "
                                f"{embedding_fingerprint(embed)}); use the draft with its own target")
     return embed
+
+
+def check_shared_embedding(info: DraftInfo, folder: Path, embed: Tensor) -> None:
+    """A running target's embedding [V, H] handed to a draft must have the shape the draft was trained with
+    (values may differ: a GGUF copy of the same target dequantizes to other numbers)."""
+    trained = str(info.target_embedding_fingerprint).split(":")[0]
+    if trained != str(tuple(embed.shape)):
+        raise DraftFormatError(f"draft {folder} was distilled from a target whose embedding is {trained}, this "
+                               f"target's is {tuple(embed.shape)}; use the draft with its own target")
 
 
 def dequantize_int8(quantized: Tensor, scale: Tensor) -> Tensor:
@@ -104,23 +136,60 @@ def dequantize_int8(quantized: Tensor, scale: Tensor) -> Tensor:
     return grouped.reshape(rows, cols)
 
 
+def draft_shapes(config: ModelConfig, num_rows: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a draft of this config with `num_rows` head rows stores (HF names) -> its shape."""
+    layer = expected_shapes(config)
+    shapes = {f"model.layers.{i}.{HF_LAYER_NAMES[name]}": layer[name] for i in range(config.num_layers)
+              for name in layer_tensor_names(config)}
+    hidden = config.hidden_size
+    shapes.update({HF_GLOBAL_NAMES["norm"]: (hidden,), HF_GLOBAL_NAMES["lm_head"]: (num_rows, hidden),
+                   HEAD_BIAS_KEY: (num_rows,), VOCAB_MAP_KEY: (num_rows,)})
+    return shapes
+
+
+def check_draft_file(opened: SafetensorsFile, config: ModelConfig) -> None:
+    """Refuses a model.safetensors whose tensors are missing or not the shapes config.json implies."""
+    vocab_map = opened.entries.get(VOCAB_MAP_KEY)
+    if vocab_map is None or len(vocab_map.shape) != 1:
+        raise DraftFormatError(f"{opened.path} lacks a one-dimensional {VOCAB_MAP_KEY} (the head's target ids)")
+    shapes = draft_shapes(config, vocab_map.shape[0])
+    missing = [key for key in shapes if key not in opened.entries]
+    if missing:
+        raise DraftFormatError(f"{opened.path} lacks {len(missing)} of the {len(shapes)} tensors config.json "
+                               f"implies, first {missing[0]!r}")
+    for key, shape in shapes.items():
+        entry = opened.entries[key]
+        if entry.shape != shape:
+            raise DraftFormatError(f"{opened.path}: tensor {key!r} has shape {list(entry.shape)}, config.json "
+                                   f"implies {list(shape)}")
+        if entry.dtype == torch.int8:
+            _check_scale(opened, key, shape)
+
+
+def _check_scale(opened: SafetensorsFile, key: str, shape: tuple[int, ...]) -> None:
+    """An int8 matrix [R, C] needs its fp16 scale [R, G] with G dividing C."""
+    scale = opened.entries.get(key + SCALE_SUFFIX)
+    if len(shape) != 2 or scale is None or len(scale.shape) != 2 or scale.shape[0] != shape[0] or \
+            not scale.shape[1] or shape[1] % scale.shape[1]:
+        raise DraftFormatError(f"{opened.path}: int8 tensor {key!r} needs a {key + SCALE_SUFFIX!r} of shape "
+                               f"[rows, groups dividing the columns] (tensor shape {list(shape)})")
+
+
 def read_draft_tensors(folder: Path, config: ModelConfig) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
     """(per-layer canonical tensors, {"norm", "lm_head", "head_bias", "vocab_map"}) as stored."""
     opened = SafetensorsFile(Path(folder) / "model.safetensors")
+    check_draft_file(opened, config)
 
     def read(key: str) -> Tensor:
         tensor = opened.tensor(key)
         return dequantize_int8(tensor, opened.tensor(key + SCALE_SUFFIX)) if tensor.dtype == torch.int8 else tensor
 
-    missing = [k for k in (HF_GLOBAL_NAMES["norm"], HF_GLOBAL_NAMES["lm_head"], HEAD_BIAS_KEY, VOCAB_MAP_KEY)
-               if k not in opened.entries]
-    if missing:
-        raise DraftFormatError(f"{folder}/model.safetensors lacks {', '.join(missing)}")
     layers = [{name: read(f"model.layers.{i}.{HF_LAYER_NAMES[name]}") for name in layer_tensor_names(config)}
               for i in range(config.num_layers)]
     globals_ = {"norm": read(HF_GLOBAL_NAMES["norm"]), "lm_head": read(HF_GLOBAL_NAMES["lm_head"]),
                 "head_bias": read(HEAD_BIAS_KEY), "vocab_map": opened.tensor(VOCAB_MAP_KEY).long()}
-    if globals_["lm_head"].shape[0] != globals_["vocab_map"].numel():
-        raise DraftFormatError(f"{folder}: LM head has {globals_['lm_head'].shape[0]} rows, vocab map "
-                               f"{globals_['vocab_map'].numel()}")
+    ids = globals_["vocab_map"]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise DraftFormatError(f"{opened.path}: {VOCAB_MAP_KEY} holds ids outside the target vocabulary "
+                               f"[0, {config.vocab_size})")
     return layers, globals_

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from offload import KVCache
+from offload.host_sync import send
 from .draft import Draft
 from .lookup import LOOKUP_LOGPROB, ContextLookup
 from .penalties import Penalties
@@ -74,7 +75,9 @@ class _Pool:
         """parents [W] node indices; logq [W, K] draft log-probabilities at each (any device; the
         top children are read to the host); vocab_map [K] on the host."""
         top = logq.topk(min(num_children, logq.shape[1]), dim=-1)                  # [W, C]
-        values, indices = top.values.to(HOST), top.indices.to(HOST)
+        # one copy to the host, not two: float64 holds both the float32 values and the ids exactly
+        values, indices = torch.stack((top.values.double(), top.indices.double())).to(HOST)
+        values, indices = values.float(), indices.long()
         self.tokens = torch.cat((self.tokens, vocab_map[indices].reshape(-1)))
         self.parents = torch.cat((self.parents, parents[:, None].expand_as(indices).reshape(-1)))
         self.depths = torch.cat((self.depths, (self.depths[parents] + 1)[:, None].expand_as(indices).reshape(-1)))
@@ -97,12 +100,12 @@ class _Pool:
         parent lost a tie at the threshold."""
         if self.size <= budget:
             return
-        keep = torch.zeros(self.size, dtype=torch.bool)
-        keep[0] = True
-        keep[1 + self.logprobs[1:].topk(budget - 1).indices] = True
-        for depth in range(1, int(self.depths.max()) + 1):
-            level = self.depths == depth
-            keep[level] &= keep[self.parents[level]]
+        best = torch.zeros(self.size, dtype=torch.bool)
+        best[0] = True
+        best[1 + self.logprobs[1:].topk(budget - 1).indices] = True
+        is_root, parents, keep = self.parents < 0, self.parents.clamp(min=0), best
+        for _ in range(int(self.depths.max())):     # after k rounds, nodes at depth <= k are final
+            keep = best & (keep[parents] | is_root)
         self.select(keep.nonzero().squeeze(1))
 
     def select(self, order: Tensor) -> None:
@@ -131,6 +134,54 @@ class _Pool:
         return Tree(self.tokens, self.parents, self.depths, self.logprobs), self.slots
 
 
+class Growth:
+    """One tree's growth, round by round, whoever runs the draft forwards: `next_round` adds the last
+    round's children and names the nodes to expand next (none: the tree is done); `expanded` records
+    that forward's draft slots and log-probabilities."""
+
+    def __init__(self, root_token: int, root_logprobs: Tensor, config: GrowthConfig, vocab_map: Tensor,
+                 lookup: ContextLookup | None = None, before_root: int | None = None) -> None:
+        self.pool, self.config, self.vocab_map = _Pool(root_token), config, vocab_map
+        self.lookup, self.before_root = lookup, before_root
+        self.is_done = config.budget == 1 or config.max_depth == 0
+        self._chosen, self._logq = torch.zeros(1, dtype=torch.long), root_logprobs[None]
+
+    def next_round(self, room: int) -> Tensor:
+        """[W] nodes to expand in the next draft forward; empty when growth stops (nothing could enter,
+        the depth cap, or more than `room` draft cache rows needed)."""
+        if self.is_done:
+            return self._chosen.new_empty(0)
+        pool, config = self.pool, self.config
+        pool.add_children(self._chosen, self._logq, self.vocab_map, min(config.max_children, config.budget - 1))
+        self._add_lookups()
+        pool.prune(config.budget)
+        chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
+        if chosen.numel() == 0 or chosen.numel() > room:
+            self.is_done = True
+            return chosen.new_empty(0)
+        return chosen
+
+    def expanded(self, chosen: Tensor, logq: Tensor, first_slot: int) -> None:
+        """chosen [W] were expanded into draft cache rows first_slot.. ; logq [W, K] their children."""
+        self.pool.slots[chosen] = first_slot + torch.arange(chosen.numel())
+        self._chosen, self._logq = chosen, logq
+
+    def result(self) -> tuple[Tree, Tensor]:
+        """(the tree in best-first order, [N] draft slots), both on the host."""
+        return self.pool.best_first()
+
+    def _add_lookups(self) -> None:
+        """The context lookup's out-of-vocabulary child of each node just expanded."""
+        if self.lookup is None or self.before_root is None:
+            return
+        pool, chosen = self.pool, self._chosen
+        parents = pool.parents[chosen]
+        previous = torch.where(parents < 0, self.before_root, pool.tokens[parents.clamp(min=0)])
+        nodes, last, previous = torch.stack((chosen, pool.tokens[chosen], previous)).tolist()   # one read
+        found = [(node, token) for node, token in zip(nodes, self.lookup.children(previous, last)) if token is not None]
+        pool.add_nodes([node for node, _ in found], [token for _, token in found], LOOKUP_LOGPROB)
+
+
 class TreeGrower:
     """Grows trees with a resident draft whose cache holds the committed sequence up to the root."""
 
@@ -147,55 +198,41 @@ class TreeGrower:
         context lookup); penalties: the target's sampling penalties before the root. -> (tree in best-first
         order, [N] draft slots), both on the host."""
         self.penalties = penalties
-        pool = _Pool(root_token)
-        if config.budget == 1 or config.max_depth == 0:
-            return pool.best_first()
-        chosen = torch.zeros(1, dtype=torch.long)
-        logq = root_logprobs[None]
-        while True:
-            pool.add_children(chosen, logq, self.vocab_map, min(config.max_children, config.budget - 1))
-            self._add_lookups(pool, chosen, before_root)
-            pool.prune(config.budget)
-            chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
-            if chosen.numel() == 0 or self.cache.num_slots + chosen.numel() > self.cache.max_length:
-                break
-            logq = self._expand(pool, chosen, root_position)
-        return pool.best_first()
-
-    def _add_lookups(self, pool: _Pool, chosen: Tensor, before_root: int | None) -> None:
-        """The context lookup's out-of-vocabulary child of each node just expanded."""
-        if self.lookup is None or before_root is None:
-            return
-        nodes = chosen.tolist()
-        parents = pool.parents[chosen]
-        last = pool.tokens[chosen].tolist()
-        previous = torch.where(parents < 0, before_root, pool.tokens[parents.clamp(min=0)]).tolist()
-        found = [(node, token) for node, token in zip(nodes, self.lookup.children(previous, last)) if token is not None]
-        pool.add_nodes([node for node, _ in found], [token for _, token in found], LOOKUP_LOGPROB)
+        growth = Growth(root_token, root_logprobs, config, self.vocab_map, self.lookup, before_root)
+        while (chosen := growth.next_round(self.cache.max_length - self.cache.num_slots)).numel():
+            first_slot = self.cache.num_slots
+            growth.expanded(chosen, self._expand(growth.pool, chosen, root_position), first_slot)
+        return growth.result()
 
     def _expand(self, pool: _Pool, chosen: Tensor, root_position: int) -> Tensor:
         """One draft forward over the chosen nodes -> [W, K] log-probabilities of their children."""
-        first_slot = self.cache.num_slots
         mask = self._mask(pool, chosen)
         positions = (root_position + pool.depths[chosen])[None]
         paths = path_tokens(pool.tokens, pool.parents, chosen) if self.penalties else None   # [W, D]
         logq = self.draft.log_probs(pool.tokens[chosen][None], self.cache, positions, mask, keep_pending=True,
                                     penalties=self.penalties, paths=paths)
-        pool.slots[chosen] = first_slot + torch.arange(chosen.numel())
         self.num_draft_forwards += 1
         return logq
 
     def _mask(self, pool: _Pool, chosen: Tensor) -> Tensor:
         """[W, slots + W] bool on the draft's device: the committed sequence, each chosen node's expanded
-        ancestors, itself. Only the part over the tree's slots is built on the host and sent."""
-        width, committed = chosen.numel(), self.cache.length
-        tree_part = torch.zeros(width, self.cache.num_slots - committed + width, dtype=torch.bool)
-        rows = torch.arange(width)
-        tree_part[rows, tree_part.shape[1] - width + rows] = True
-        ancestor = pool.parents[chosen]
-        while bool((ancestor > 0).any()):        # node 0, the root, is in the committed part
-            inner = ancestor > 0
-            tree_part[rows[inner], pool.slots[ancestor[inner]] - committed] = True
-            ancestor = torch.where(inner, pool.parents[ancestor.clamp(min=0)], ancestor)
-        device = self.draft.model.device
-        return torch.cat((torch.ones(width, committed, dtype=torch.bool, device=device), tree_part.to(device)), dim=1)
+        ancestors, itself."""
+        return expansion_mask(pool, chosen, self.cache.length, self.cache.num_slots, self.draft.model.device)
+
+
+def expansion_mask(pool: _Pool, chosen: Tensor, num_committed: int, num_filled: int,
+                   device: torch.device) -> Tensor:
+    """[W, num_filled + W] bool on `device` for expanding `chosen` when the draft's cache (or slot) holds
+    num_committed committed rows and num_filled rows in all: the committed sequence, each chosen node's
+    expanded ancestors, itself. Only the part over the tree's rows is built on the host and sent."""
+    width, num_tree = chosen.numel(), num_filled - num_committed
+    tree_part = torch.zeros(width, num_tree + width + 1, dtype=torch.bool)    # + a column for "no ancestor"
+    rows = torch.arange(width)
+    tree_part[rows, num_tree + rows] = True
+    ancestor, no_ancestor = pool.parents[chosen], num_tree + width
+    for _ in range(int(pool.depths[chosen].max()) - 1):   # a node at depth d has d - 1 ancestors below the root
+        inner = ancestor > 0                  # node 0, the root, is in the committed part
+        tree_part[rows, torch.where(inner, pool.slots[ancestor.clamp(min=0)] - num_committed, no_ancestor)] = True
+        ancestor = torch.where(inner, pool.parents[ancestor.clamp(min=0)], ancestor)
+    return torch.cat((torch.ones(width, num_committed, dtype=torch.bool, device=device),
+                      send(tree_part[:, :-1], device)), dim=1)

@@ -59,10 +59,11 @@ class Speculator:
 
     def accept(self, tree: Tree, slots: Tensor, path: list[int]) -> None:
         """Commits the draft's keys of the accepted non-root nodes it expanded (a prefix of the path)."""
-        nodes = [node for node in path[1:] if int(slots[node]) >= 0]
-        kept = [int(slots[node]) - self.cache.length for node in nodes]
-        self.cache.commit(kept)
-        self.cached_ids.extend(tree.tokens[nodes].tolist())
+        accepted = path[1:]
+        path_slots, path_tokens = torch.stack((slots[accepted], tree.tokens[accepted])).tolist()   # one read
+        expanded = [(slot, token) for slot, token in zip(path_slots, path_tokens) if slot >= 0]
+        self.cache.commit([slot - self.cache.length for slot, _ in expanded])
+        self.cached_ids.extend(token for _, token in expanded)
 
     def _catch_up(self, sequence: list[int], penalties: Penalties | None = None) -> Tensor:
         """Brings the committed draft cache to `sequence` (its last token the root) -> [K] draft

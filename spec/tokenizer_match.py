@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from offload.tokenizer import SPECIAL_TOKEN_KEYS
+from offload.weights.tokenizer import SPECIAL_TOKEN_KEYS
 
 
 class TokenizerMismatchError(ValueError):

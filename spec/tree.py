@@ -6,10 +6,12 @@ index is its rank and the first b nodes form the tree a budget of b would have g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from offload.host_sync import send
 
 
 @dataclass(slots=True)
@@ -19,14 +21,19 @@ class Tree:
     depths: Tensor       # [N] int64, the root at 0
     logprobs: Tensor     # [N] float32 cumulative draft log-probability of the path root -> node (root 0)
 
+    max_depth: int = field(init=False, default=0)   # the deepest node's depth
+
     def __post_init__(self) -> None:
         size = self.tokens.shape[0]
         if size == 0 or any(t.shape != (size,) for t in (self.parents, self.depths, self.logprobs)):
             raise ValueError("a tree needs one token, parent, depth and log-probability per node, root first")
-        if int(self.parents[0]) != -1:
-            raise ValueError("node 0 must be the root (parent -1)")
         later = self.parents[1:]
-        if size > 1 and not bool(((later >= 0) & (later < torch.arange(1, size, device=later.device))).all()):
+        preceding = ((later >= 0) & (later < torch.arange(1, size, device=later.device))).all()
+        # one read of the tree's values (a device sync where they live on a GPU)
+        root, ordered, self.max_depth = torch.stack((self.parents[0], preceding, self.depths.max())).tolist()
+        if root != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+        if not ordered:
             raise ValueError("every node but the root needs a parent that precedes it")
 
     @classmethod
@@ -35,15 +42,6 @@ class Tree:
             return torch.tensor([value], dtype=dtype, device=device)
         return cls(one(token, torch.long), one(-1, torch.long), one(0, torch.long), one(0.0, torch.float32))
 
-    @classmethod
-    def from_parents(cls, tokens: list[int], parents: list[int], logprobs: list[float] | None = None) -> "Tree":
-        """A hand-made tree (tests, tools): depths follow from the parents."""
-        depths = [0] * len(tokens)
-        for node, parent in enumerate(parents):
-            depths[node] = depths[parent] + 1 if parent >= 0 else 0
-        return cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
-                   torch.tensor(logprobs if logprobs is not None else [0.0] * len(tokens), dtype=torch.float32))
-
     def path_tokens(self) -> Tensor:
         """[N, max depth + 1]: each node's tokens from itself up to the root, padded with -1."""
         return path_tokens(self.tokens, self.parents, torch.arange(self.num_nodes, device=self.tokens.device))
@@ -51,10 +49,6 @@ class Tree:
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[0]
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.depths.max())
 
     def positions(self, root_position: int) -> Tensor:
         """[1, N] position ids: the root's position plus each node's depth."""
@@ -68,9 +62,9 @@ class Tree:
         mask = torch.zeros(size, size, dtype=torch.bool, device=self.parents.device)
         mask[rows, rows] = True
         current = self.parents
-        for _ in range(self.max_depth):
+        for _ in range(self.max_depth):     # no data-dependent shapes: a row without an ancestor left ORs False
             has_parent = current >= 0
-            mask[rows[has_parent], current[has_parent]] = True
+            mask[rows, current.clamp(min=0)] |= has_parent
             current = torch.where(has_parent, self.parents[current.clamp(min=0)], current)
         return mask
 
@@ -79,15 +73,19 @@ class Tree:
         sees the whole cache, its ancestors and itself. Only the [N, N] part is built here and sent."""
         device = device or self.parents.device
         past = torch.ones(self.num_nodes, num_cached, dtype=torch.bool, device=device)
-        return torch.cat((past, self.ancestor_mask().to(device)), dim=1)
+        return torch.cat((past, send(self.ancestor_mask(), device)), dim=1)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices root -> node."""
-        parents = self.parents.tolist()
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        return path[::-1]
+        return root_path(self.parents.tolist(), node)
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    """Node indices root -> node of the tree whose parent indices are `parents` (-1: the root)."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 def path_tokens(tokens: Tensor, parents: Tensor, nodes: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .sampling import SamplingConfig, sample
-from .tree import Tree
+from .tree import Tree, root_path
 
 
 @dataclass(slots=True)
@@ -58,10 +58,15 @@ def target_choices(logits: Tensor, sampling: SamplingConfig, generator: torch.Ge
 def accepted_path(tree: Tree, ok: Tensor) -> list[int]:
     """Node indices root -> deepest node whose every step from the root is accepted (ties: the
     earlier node, i.e. the higher draft log-probability)."""
-    reach = ok.clone()
-    for depth in range(1, tree.max_depth + 1):
-        level = tree.depths == depth
-        reach[level] &= reach[tree.parents[level]]
+    if tree.num_nodes == 1:
+        return [0]
+    # reach = ok and the parent's reach; after k rounds every node at depth <= k holds its final value
+    # (no data-dependent shapes, so nothing waits for the device where the tree lives there)
+    is_root, parents = tree.parents < 0, tree.parents.clamp(min=0)
+    reach = ok
+    for _ in range(tree.max_depth):
+        reach = ok & (reach[parents] | is_root)
     size = tree.num_nodes
     score = torch.where(reach, tree.depths * (size + 1) - torch.arange(size, device=reach.device), -1)
-    return tree.path_to(int(score.argmax()))
+    best, *parents = torch.cat((score.argmax()[None], tree.parents)).tolist()     # one read
+    return root_path(parents, best)

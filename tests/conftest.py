@@ -15,10 +15,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from offload.config import ModelConfig
-from offload.model import DecoderModel
+from offload.model.config import ModelConfig
+from offload.model.decoder import DecoderModel
 from offload.loader import LoadOptions, build_engine
-from offload.weights import CheckpointSource
+from offload.weights.source import CheckpointSource
 
 CPU = torch.device("cpu")
 

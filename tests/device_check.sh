@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check (under 8 minutes on one GPU): pinned H2D bandwidth and streaming efficiency of
-# Llama-3.1-70B-shaped layers (bf16, RAM tier) for pass sizes 1..2048, written as JSON.
+# Device check as JSON (bench/device_check.py's stream, spqr and gguf sections): pinned H2D bandwidth and
+# streaming efficiency of Llama-3.1-70B-shaped layers (bf16, RAM tier) for trees of 1..2048 tokens, and one
+# such layer's SpQR w4 and GGUF Q4_K decoding against the link. tests/gpu_session.sh runs the same sections
+# (and more) step by step on a lent GPU.
 #   bash tests/device_check.sh [OUT.json]            on a GPU machine
 #   bash tests/device_check.sh --dry-run [OUT.json]  anywhere (small shapes, CPU): the test suite runs this
 set -euo pipefail
@@ -12,5 +14,5 @@ if [ "${1:-}" = "--dry-run" ]; then
   "$PY" bench/device_check.py --dry-run --layers 3 --tokens 1,16,64 > "${1:-/dev/stdout}"
 else
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU: use --dry-run')"
-  "$PY" bench/device_check.py --layers 4 --tokens 1,16,64,256,1024,2048 > "${1:-/dev/stdout}"
+  "$PY" bench/device_check.py --device cuda --layers 4 --tokens 1,16,64,256,1024,2048 > "${1:-/dev/stdout}"
 fi

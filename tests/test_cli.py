@@ -52,7 +52,7 @@ def test_budget_outside_the_range_is_refused_with_the_range(budget):
 
 
 def test_a_draft_that_cannot_load_falls_back_with_one_warning(tmp_path):
-    from offload.sources import resolve_model
+    from offload.weights.resolve import resolve_model
     default = resolve_model(None)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text((default / name).read_text())
@@ -114,20 +114,24 @@ def test_help_lists_flags_with_defaults():
 
 
 def test_batch_killed_midway_resumes_without_loss_or_duplicates(tmp_path):
+    """The kill lands at a known point: two short requests finish first, the rest are long, and SIGKILL is
+    sent as soon as the two results are on disk (a long request cannot finish in the polling interval)."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [json.dumps({"id": f"q{i}", "prompt": f"Count from {i} to {i + 20}."}) for i in range(6)]
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"Count from {i} to {i + 2}.", "max_tokens": 4}) for i in range(2)]
+    lines += [json.dumps({"id": f"q{i}", "prompt": f"Tell a long story about a lighthouse keeper, part {i}.",
+                          "max_tokens": 160}) for i in range(2, 6)]
     lines.insert(3, "{this line is broken")
     source.write_text("\n".join(lines) + "\n")
-    args = [sys.executable, str(ROOT / "cli.py"), "batch", str(source), "-o", str(out), "--max-new-tokens", "48"]
+    args = [sys.executable, str(ROOT / "cli.py"), "batch", str(source), "-o", str(out)]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
-        time.sleep(0.02)
+        time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    num_before = out.read_text().count("\n")
-    assert 2 <= num_before < 6, "the kill should land mid-run"
-    resumed = cli("batch", str(source), "-o", str(out), "--max-new-tokens", "48")
+    before = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    assert sorted(before) == ["q0", "q1"], "SIGKILL lands after exactly the two short results"
+    resumed = cli("batch", str(source), "-o", str(out))
     assert resumed.returncode == 3 and "line 4" in resumed.stderr
     ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == [f"q{i}" for i in range(6)] and len(ids) == 6
@@ -144,7 +148,7 @@ def test_corrupt_weights_are_rejected_before_generation(tmp_path):
 
 
 def test_draft_with_another_tokenizer_is_refused(tmp_path):
-    from offload.sources import resolve_model
+    from offload.weights.resolve import resolve_model
     default = resolve_model(None)
     for name in ("config.json", "tokenizer.json"):
         (tmp_path / name).write_text((default / name).read_text())
@@ -166,11 +170,15 @@ def test_shipped_draft_is_the_default_pair_and_runs_alone():
 
 def test_shipped_judge_is_lossy_and_says_so_and_threshold_zero_is_exact():
     prompt = "Tom has 3 boxes of 12 pencils and gives away 7. How many pencils are left?"
-    judged = cli("run", prompt, "--judge", "default", "--budget", "16", "--max-new-tokens", "64", "--json")
+    exact = json.loads(cli("run", prompt, "--no-draft", "--max-new-tokens", "64", "--json").stdout)
+    # threshold 1 accepts every mismatch (p(important) < 1): on this prompt the judge takes draft tokens
+    # against the target's choice and the answer leaves the target's greedy text (measured: 3 tokens)
+    judged = cli("run", prompt, "--judge", "default", "--judge-threshold", "1.0", "--budget", "16",
+                 "--max-new-tokens", "64", "--json")
     assert judged.returncode == 0, judged.stderr
     report = json.loads(judged.stdout)
-    assert report["lossy"] is True and report["judge_accepted"] >= 0 and 0 < report["judge_threshold"] < 1
-    exact = json.loads(cli("run", prompt, "--no-draft", "--max-new-tokens", "64", "--json").stdout)
+    assert report["lossy"] is True and report["judge_threshold"] == 1.0
+    assert report["judge_accepted"] > 0 and report["text"] != exact["text"]
     strict = json.loads(cli("run", prompt, "--judge", "default", "--judge-threshold", "0", "--budget", "16",
                             "--max-new-tokens", "64", "--json").stdout)
     assert strict["text"] == exact["text"] and strict["judge_accepted"] == 0

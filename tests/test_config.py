@@ -1,4 +1,4 @@
-"""offload/config.py: parsing Hugging Face config.json files."""
+"""offload/model/config.py: parsing Hugging Face config.json files."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from offload.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig, UnsupportedModelError
-from offload.rope import inverse_frequencies
+from offload.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig, UnsupportedModelError
+from offload.model.rope import inverse_frequencies
 
 LLAMA_31 = {  # the shape of Meta-Llama-3.1-8B's config.json (pre-transformers-5 rope format)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -14,11 +14,12 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from offload import LoadOptions, load_model
 from spec import DecodeConfig, Decoder, SamplingConfig
-from spec.distill import AnswerCache, DraftBenchConfig, bench_draft, load_draft_module
+from bench.draft_bench import DraftBenchConfig, bench_draft
+from spec.distill import AnswerCache, load_draft_module
 from spec.draft import default_draft_for, load_draft
 from spec.draft_folder import DraftInfo, DraftFormatError, dequantize_int8, embedding_fingerprint, is_draft_folder, read_draft_info
 from spec.tokenizer_match import check_tokenizers_match
-from spec.distill.bench import expected_speedup, rank_counts
+from bench.draft_bench import expected_speedup, rank_counts
 from spec.distill.corpus import append_shard, load_corpus
 from spec.distill.draft_io import quantize_int8, save_draft
 from spec.distill.draft_model import choose_vocab, draft_from_target
@@ -27,7 +28,7 @@ from spec.distill.generate import NO_TARGET, GenerationConfig, generate_batch
 from spec.distill.loss import sparse_kl_loss
 from spec.distill.prompts import prompts_from_jsonl
 from spec.distill.train import TrainConfig, Trainer
-from offload.weights import CheckpointSource
+from offload.weights.source import CheckpointSource
 
 from conftest import make_tiny_checkpoint
 
@@ -189,6 +190,7 @@ def test_resume_continues_from_checkpoint(target, corpus, tmp_path):
 
 
 def test_revocab_keeps_trained_rows_and_starts_new_ones_from_the_target(target, corpus, tmp_path):
+    from spec.distill.checkpoint import read_checkpoint
     from spec.distill.revocab import revocab_checkpoint
     config = TrainConfig(num_steps=3, batch_tokens=256, learning_rate=3e-3, warmup_steps=1, eval_every=1000,
                          use_bf16=False, checkpoint_seconds=1e9)
@@ -199,7 +201,7 @@ def test_revocab_keeps_trained_rows_and_starts_new_ones_from_the_target(target, 
     source = CheckpointSource(target.path, target.config)
     new = draft_from_target(source, "small", 1, 0, new_map)
     assert revocab_checkpoint(trainer.checkpoint_path, new, old.vocab_map, new_map) == 40
-    payload = torch.load(trainer.checkpoint_path, weights_only=False)
+    payload = read_checkpoint(trainer.checkpoint_path)
     head, bias = payload["model"]["head"], payload["model"]["head_bias"]
     assert torch.equal(head[:40], old.head.detach()[:40]) and torch.equal(bias[:40], old.head_bias.detach()[:40])
     assert torch.equal(head[40:], new.head.detach()[40:])              # the target's rows, untrained
@@ -272,7 +274,7 @@ def test_draft_in_bf16_matches_fp32_and_bench_reports_both_costs(target, tmp_pat
 
 
 def test_bench_answers_cache_is_reused_only_for_the_same_target_and_length(target, tmp_path, monkeypatch):
-    import spec.distill.bench as bench_module
+    import bench.draft_bench as bench_module
     prompts = [[{"role": "user", "content": " ".join(f"w{i}" for i in ids)}] for ids in _prompts(3, 4)]
     config = DraftBenchConfig(max_new_tokens=8, batch_size=2, num_cost_steps=2, num_cost_repeats=1)
     model, source = _draft(target, vocab_top=64)

@@ -3,14 +3,16 @@ import json
 from pathlib import Path
 
 import pytest
+
+import textdata
 import torch
 
 from offload import LoadOptions, load_model
-from offload.sources import resolve_model
+from offload.weights.resolve import resolve_model
 from spec import DecodeConfig, Decoder, SamplingConfig
 
 pytestmark = pytest.mark.e2e
-PROMPTS = [json.loads(line) for line in (Path(__file__).parent / "data" / "chat_prompts.jsonl").open()]
+PROMPTS = [json.loads(line) for line in textdata.path(textdata.CHAT_PROMPTS).open()]
 SAMPLE_IDS = {"general-001", "writing-013", "code-023", "math-035"}
 
 
@@ -22,7 +24,7 @@ def ours():
 @pytest.fixture(scope="module")
 def reference():
     transformers = pytest.importorskip("transformers")
-    folder = resolve_model(None)
+    folder = resolve_model(None, gguf_import=True)   # transformers reads the dequantized import
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return transformers.AutoTokenizer.from_pretrained(folder), model
 

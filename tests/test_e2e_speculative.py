@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 
+import textdata
+
 from offload import LoadOptions, load_model
 from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
 
 pytestmark = pytest.mark.e2e
-PROMPTS = [json.loads(line) for line in (Path(__file__).parent / "data" / "chat_prompts.jsonl").open()]
+PROMPTS = [json.loads(line) for line in textdata.path(textdata.CHAT_PROMPTS).open()]
 SAMPLE_IDS = {"general-002", "writing-014", "code-024", "math-036"}
 
 

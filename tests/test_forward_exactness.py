@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from offload.config import ModelConfig
-from offload.masks import tree_mask
-from offload.rope import inverse_frequencies
+from offload.model.config import ModelConfig
+from trees import tree_mask
+from offload.model.rope import inverse_frequencies
 
 from conftest import hf_logits, load_ours
 
@@ -222,7 +222,7 @@ def test_return_hidden_is_final_norm_output(tiny_checkpoint, family):
 def test_a_block_pass_computes_what_one_token_passes_compute(tiny_checkpoint):
     """bench/pass_invariance.py: in fp32 a chain's block pass gives one-token greedy decoding's logits (so
     its choices); in bf16 it is really computed in bf16 (differences exist) and still close."""
-    from bench.pass_invariance import compare_passes
+    from offload.model.pass_check import compare_passes
     folder, _ = tiny_checkpoint("llama")
     fp32 = compare_passes(load_ours(folder, torch.float32), [3, 7, 11, 5, 2], 16)
     assert fp32["positions"] == 16 and fp32["flips"] == 0 and fp32["max_logit_difference"] < 1e-4

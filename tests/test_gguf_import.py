@@ -18,12 +18,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from offload import gguf_tensors
-from offload.gguf_import import import_gguf, open_gguf, read_tensor_plan
-from offload.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
-from offload.safetensors_io import SafetensorsStreamWriter, write_safetensors
-from offload.tokenizer import Tokenizer
-from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+from offload.weights import gguf_tensors
+from offload.weights.gguf_import import import_gguf, open_gguf, read_tensor_plan
+from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from offload.weights.safetensors_io import SafetensorsStreamWriter, write_safetensors
+from offload.weights.tokenizer import Tokenizer
+from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX_TYPES = [Q.Q8_0, Q.Q4_K, Q.F16, Q.Q4_0, Q.Q6_K, Q.F32, Q.Q4_1]
@@ -195,7 +195,7 @@ def test_weights_match_independent_reference(synthetic, cache, monkeypatch, case
 def test_forward_matches_transformers(synthetic, cache, case):
     transformers = pytest.importorskip("transformers")
     from offload import LoadOptions, load_model
-    ours = load_model(LoadOptions(model=str(synthetic[case]), device="cpu", dtype="fp32"))
+    ours = load_model(LoadOptions(model=str(synthetic[case]), device="cpu", dtype="fp32", gguf_import=True))
     reference = transformers.AutoModelForCausalLM.from_pretrained(ours.path, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
     ids = torch.randint(0, ours.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -317,7 +317,7 @@ import sys
 sys.modules["accelerate"] = None  # the conversion must not need accelerate
 import json
 from pathlib import Path
-from offload.gguf_import import import_gguf, open_gguf, read_tensor_plan
+from offload.weights.gguf_import import import_gguf, open_gguf, read_tensor_plan
 
 def status(key):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
@@ -358,7 +358,7 @@ def test_peak_memory_stays_near_one_chunk(tmp_path, synthetic, monkeypatch):
 @pytest.fixture(scope="module")
 def default_import(tmp_path_factory) -> tuple[Path, Path]:
     """(the embedded default model's GGUF, its import into a fresh cache)."""
-    from offload.sources import default_model_gguf
+    from offload.weights.resolve import default_model_gguf
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECSTREAM_CACHE", str(tmp_path_factory.mktemp("cache")))
         path = default_model_gguf()

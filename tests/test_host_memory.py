@@ -14,7 +14,7 @@ PROBE = """
 import ctypes, sys, torch
 sys.path.insert(0, {root!r})
 if {tune}:
-    from offload.host_memory import keep_freed_host_memory
+    from offload.allocator import keep_freed_host_memory
     assert keep_freed_host_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, (ctypes.c_long,)
@@ -38,7 +38,7 @@ def test_a_dense_layer_sized_block_comes_from_the_heap_once_set():
 
 
 def test_user_malloc_settings_win(monkeypatch):
-    from offload import host_memory
+    from offload import allocator as host_memory
     host_memory.keep_freed_host_memory.cache_clear()
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     try:

@@ -1,5 +1,6 @@
 """A non-editable install works on its own: `pip install --no-deps --target DIR .`, then the console
-command from another directory, importing nothing but what was installed (no `bench/`, no `tests/`)."""
+command from another directory, importing nothing but what was installed (no `tests/`, no results JSON), `bench`
+commands included."""
 import json
 import os
 import subprocess
@@ -30,14 +31,15 @@ def specstream(installed: Path, *args: str, stdin: str | None = None, timeout: i
 
 
 def test_installed_modules_come_from_the_install_not_the_checkout(installed):
-    probe = ("import cli, offload, runtime, spec, runtime.tools_cli, offload.stream_bench;"
+    probe = ("import cli, offload, runtime, spec, commands.bench, bench.stream_bench, textdata;"
              "print(cli.__file__); print(offload.__file__)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=installed.parent,
                           env={**os.environ, "PYTHONPATH": str(installed)})
     assert done.returncode == 0, done.stderr
     assert all(Path(line).is_relative_to(installed) for line in done.stdout.split())
     assert (installed / "spec" / "drafts" / "smollm2-135m-instruct" / "config.json").exists()
-    assert not (installed / "bench").exists() and not (installed / "tests").exists()
+    assert (installed / "textdata" / "mt_bench" / "question.jsonl").exists()
+    assert not (installed / "bench" / "results").exists() and not (installed / "tests").exists()
 
 
 def test_installed_run_plan_bench_and_chat(installed):

@@ -15,8 +15,8 @@ from judge.sandbox import run_program
 from judge.tasks import Gsm8k, HumanEval, Problem, extract_code, parse_number
 from judge.train import read_mined, train_judge
 from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator
+from trees import tree_from_parents
 from spec.draft_folder import embedding_fingerprint
-from spec.tree import Tree
 from spec.verify import Verdict
 
 VOCAB, CONTEXT, HIDDEN = 48, 128, 64
@@ -64,6 +64,16 @@ def test_humaneval_outcome_runs_the_tests_on_the_extracted_code(tmp_path, monkey
     assert task.outcome(train[0], "```python\ndef add(a: List[int], b) -> List[int]:\n    return a + b\n```") is True
     assert task.outcome(train[0], "```python\ndef add(a, b):\n    return a - b\n```") is False
     assert task.outcome(train[0], "```python\ndef add(a, b):\n    while True: pass\n```") is False
+
+
+def test_humaneval_is_refused_without_isolation_unless_unconfined_is_explicit(monkeypatch):
+    import judge.tasks as tasks
+    from judge.sandbox import IsolationReport
+    monkeypatch.setattr(tasks, "available_isolation", lambda: IsolationReport((), "seccomp filter refused (test)"))
+    with pytest.raises(ValueError, match="cannot sandbox it: seccomp filter refused \\(test\\); pass --unconfined-code"):
+        tasks.get_task("humaneval")
+    assert tasks.get_task("humaneval", unconfined=True).unconfined
+    assert tasks.get_task("gsm8k").name == "gsm8k"
 
 
 def test_roc_auc_equals_the_pairwise_definition():
@@ -127,7 +137,7 @@ def test_judge_files_of_another_version_shape_or_target_are_refused(tmp_path):
         load_judge_for(str(path), torch.ones(VOCAB, HIDDEN), HIDDEN)
     with pytest.raises(JudgeFormatError, match="hidden states of size 64"):
         load_judge_for(str(path), torch.ones(VOCAB, 32), 32)
-    from offload.safetensors_io import write_safetensors
+    from offload.weights.safetensors_io import write_safetensors
     write_safetensors(path, {"mean": torch.zeros(2)}, {"format": "specstream-judge", "version": "9"})
     with pytest.raises(JudgeFormatError, match="version '9'"):
         Judge.load(path)
@@ -142,7 +152,7 @@ def test_policy_accepts_a_mismatch_when_the_judge_scores_it_unimportant():
     #      1   2        children of the root; 3 under 1, 4 under 3
     #      3
     #      4
-    tree = Tree.from_parents([5, 6, 7, 8, 9], [-1, 0, 0, 1, 3])
+    tree = tree_from_parents([5, 6, 7, 8, 9], [-1, 0, 0, 1, 3])
     choices = torch.tensor([6, 8, 0, 1, 0])                  # target: 6 after root, 8 after node 1, 1 after 3
     hidden = torch.zeros(5, HIDDEN)
     hidden[:, 0] = torch.tensor([-2.0, 0.0, 0.0, -3.0, 0.0])  # p(important) = sigmoid(h0): low at nodes 0, 3

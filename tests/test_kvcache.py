@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.config import ModelConfig
-from offload.kvcache import CacheFullError, KVCache
-from offload.masks import tree_mask
+from offload.model.config import ModelConfig
+from offload.model.kvcache import CacheFullError, KVCache
+from trees import tree_mask
 
 from conftest import hf_logits, load_ours
 

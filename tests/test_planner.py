@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.config import ModelConfig
+from offload.model.config import ModelConfig
 from offload.planner import GIB, PlanError, make_plan, parse_bytes, request_from_config
 
 ROOT = Path(__file__).resolve().parents[1]

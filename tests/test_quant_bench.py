@@ -3,10 +3,9 @@ their definitions."""
 import pytest
 import torch
 
-import runtime  # noqa: F401  (registers the SpQR format)
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from quant.baselines import nf4, round_to_nearest, rtn_bits
-from quant.bench import QuantBenchConfig, SpqrRow, run_quant_bench
+from bench.quant_bench import QuantBenchConfig, SpqrRow, run_quant_bench
 
 
 def test_round_to_nearest_matches_its_definition():
@@ -61,7 +60,7 @@ def test_every_method_has_a_row_with_bits_and_perplexity(result):
 
 
 def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_path, monkeypatch):
-    from quant.disk_bench import DiskBenchConfig, run_disk_bench
+    from bench.quant_disk_bench import DiskBenchConfig, run_disk_bench
     from quant.quantize import QuantizeConfig, quantize
     folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=3, vocab_size=64)
     add_tiny_tokenizer(folder, 64)
@@ -91,8 +90,9 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
 
 def test_chat_answers_are_cached_per_length(tmp_path, monkeypatch):
     """A cache made for a short held-out text once stood in for every longer one (191 tokens, not 4,096)."""
-    from offload import LoadOptions, load_model
-    from quant.bench import _chat_answers
+    from offload import LoadOptions
+    from runtime import load_model
+    from bench.quant_bench import _chat_answers
     folder, _ = make_tiny_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1, vocab_size=64)
     add_tiny_tokenizer(folder, 64)
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
-from offload.weights import CheckpointSource
+from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
+from offload.weights.source import CheckpointSource
 
 from conftest import load_ours, make_tiny_checkpoint
 

@@ -1,7 +1,7 @@
 """Model sources: a Hub id resolved offline from the local Hugging Face cache, and clear errors."""
 import pytest
 
-from offload.sources import ModelNotFoundError, resolve_model
+from offload.weights.resolve import ModelNotFoundError, resolve_model
 
 
 def _fake_hub_cache(root, repo_id, files):

@@ -12,11 +12,11 @@ import torch
 
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from offload import LoadOptions, load_model
-from offload.weights import CheckpointSource
-from runtime.bench_journal import changed_fields, result_from_dict, result_to_dict
-from runtime.hf_draft import PeerRun, build_hf_draft, peer_report
-from runtime.spec_bench import SpecBenchConfig, load_options, run_spec_bench
-from runtime.spec_report import row_report
+from offload.weights.source import CheckpointSource
+from bench.journal import changed_fields, result_from_dict, result_to_dict
+from bench.hf_draft import PeerRun, build_hf_draft, peer_report
+from bench.spec_bench import SpecBenchConfig, load_options, run_spec_bench
+from bench.spec_report import row_report
 from spec import Decoder, DecodeResult, DecodeStats, SamplingConfig
 from spec.distill.draft_io import save_draft
 from spec.distill.draft_model import choose_vocab, draft_from_target
@@ -94,6 +94,10 @@ def test_bench_runs_every_mode_and_the_peer_on_a_tiny_pair(tiny_pair, tmp_path, 
         assert set(mode) == MODE_KEYS and [r["budget"] for r in mode["budgets"]] == [1, 8]
         for row in [*mode["budgets"], mode["auto"]]:
             assert ROW_KEYS <= set(row) and row["identical_to_autoregressive"] == 2
+        for row in [mode["autoregressive"], *mode["budgets"], mode["auto"]]:     # counted on the first prompt
+            assert row["torch_ops_per_step"] > 0 and row["host_reads_per_step"] == sum(row["host_reads_by_kind"].values())
+        assert mode["budgets"][1]["host_reads_per_step"] > mode["autoregressive"]["host_reads_per_step"] > 0
+    assert report["host_syncs"]["counted_on"] == "cpu" and "upper bound" in report["host_syncs"]["meaning"]
         assert mode["autoregressive"]["tokens_per_pass"] == mode["budgets"][0]["tokens_per_pass"] == 1.0
     peer = report["assisted_generation"]
     assert peer["identical_to_autoregressive"] == 2 and peer["transformers_autoregressive_identical"] == 2
@@ -130,11 +134,12 @@ def test_a_killed_bench_resumes_where_it_stopped(tiny_pair, tmp_path, monkeypatc
     assert len(ran) == 2 and partial["assisted_generation"]["identical_to_autoregressive"] == 1   # warm-ups only
     ran.clear()
     resumed = run_spec_bench(config, SamplingConfig(), PROMPTS, resume=True)
+    counted = 2 * 4                                   # per row, a one-token and a counted answer (host syncs)
     assert resumed["resumed_rows"] == 6 and _figures(resumed) == _figures(full)
-    assert len(ran) == 2 + 4                          # the two warm-ups, then the second prompt's rows
+    assert len(ran) == 2 + 4 + counted                # the two warm-ups, then the second prompt's rows
     ran.clear()
     afresh = run_spec_bench(config, SamplingConfig(), PROMPTS)
-    assert afresh["resumed_rows"] == 0 and len(ran) == 2 + 8 and _figures(afresh) == _figures(full)
+    assert afresh["resumed_rows"] == 0 and len(ran) == 2 + 8 + counted and _figures(afresh) == _figures(full)
     other = SpecBenchConfig(str(target_folder), str(draft_folder), 10, [1, 8], ["resident"])
     assert run_spec_bench(other, SamplingConfig(), PROMPTS, resume=True)["resumed_rows"] == 0   # another journal
     journals = sorted((tmp_path / "bench_journal").iterdir())
@@ -205,7 +210,7 @@ def test_transformers_rebuild_computes_the_shipped_draft():
 
 @pytest.mark.e2e
 def test_cli_bench_spec_reports_every_budget_and_the_peer():
-    args = ["bench", "spec", "--prompts", "tests/data/chat_prompts.jsonl", "--limit", "1", "--max-new-tokens", "12",
+    args = ["bench", "spec", "--prompts", "textdata/chat/prompts.jsonl", "--limit", "1", "--max-new-tokens", "12",
             "--budgets", "1,4", "--modes", "resident", "--json"]
     done = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
                           timeout=240, cwd=ROOT)

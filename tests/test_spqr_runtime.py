@@ -2,14 +2,16 @@
 compute exactly what a dense model holding the dequantized weights computes, and refuse bad files."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-import runtime  # noqa: F401  (registers the SpQR format with the engine)
 from conftest import add_tiny_tokenizer, load_ours, make_tiny_checkpoint
-from offload import LoadOptions, load_model
-from offload.safetensors_io import CorruptCheckpointError, write_safetensors
+import offload
+from offload import LoadOptions
+from runtime import load_model
+from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
 from quant.checkpoint import MATRICES, layer_path
 from quant.quantize import QuantizeConfig, quantize
 from spec import DecodeConfig, Decoder, SamplingConfig
@@ -40,7 +42,7 @@ def dense_reference(root, quantized_folder):
     shutil.rmtree(dense, ignore_errors=True)
     dense.mkdir()
     tensors = {}
-    from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+    from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES
     for index in range(LAYERS):
         decoded = loaded.source.decode_layer(index, loaded.source.layer(index), torch.float32)
         for name, value in decoded.items():
@@ -59,7 +61,7 @@ def test_quantize_reports_bits_from_the_bytes_and_errors_per_layer(quantized):
     out, summary = quantized
     assert summary["layers"] == LAYERS and len(summary["layer_reports"]) == LAYERS
     assert 3.6 < summary["bits_per_param"] < 6 and 0 < summary["mean_error"] < 0.5
-    assert (out / "quantize_report.json").exists() and not (out / ".state" / "hidden.pt").exists()
+    assert (out / "quantize_report.json").exists() and not (out / ".state" / "hidden.safetensors").exists()
 
 
 @pytest.mark.parametrize("tier", ["device", "ram", "disk"])
@@ -146,3 +148,64 @@ def test_unsupported_bits_and_shapes_are_refused(tiny, tmp_path):
         QuantizeConfig(str(folder), tmp_path / "x", bits=5)
     with pytest.raises(ValueError, match="not a multiple of --groupsize 128"):
         quantize(QuantizeConfig(str(folder), tmp_path / "y", groupsize=128, nsamples=2, seqlen=16))
+
+
+def test_packed_formats_are_passed_explicitly_never_registered_on_import(quantized):
+    """The engine alone refuses an SpQR folder (it is never opened as a plain checkpoint); the runtime's
+    composition root passes the format and it loads."""
+    folder, _ = quantized
+    with pytest.raises(ValueError, match="'specstream-spqr' packed weights, a format this loader was not given"):
+        offload.load_model(LoadOptions(str(folder), device="cpu", dtype="fp32"))
+    assert load_model(LoadOptions(str(folder), device="cpu", dtype="fp32")).source.quantization["bits"] == 3
+
+
+def test_without_act_order_no_permutation_is_stored_or_gathered(tiny):
+    """Format version 2: a matrix quantized in input order stores an empty permutation, its layer computes
+    what its dequantized weights compute, and a version-1 file (always a permutation) still loads."""
+    root, folder = tiny
+    out = root / "in-order"
+    quantize(QuantizeConfig(str(folder), out, bits=4, groupsize=16, stats_bits=3, act_order=False,
+                            nsamples=4, seqlen=32))
+    loaded = load_model(LoadOptions(str(out), device="cpu", dtype="fp32"))
+    decoded = loaded.source.decode_layer(0, loaded.source.layer(0), torch.float32)
+    assert all(decoded[name].matrix.perm.numel() == 0 for name in MATRICES)
+    reference = load_ours(dense_reference(root, out))
+    ids = torch.tensor([[3, 17, 5, 9]])
+    torch.testing.assert_close(loaded.model.forward(ids, loaded.model.new_cache(8)).logits,
+                               reference.forward(ids, reference.new_cache(8)).logits, rtol=1e-5, atol=1e-5)
+    loaded.layers.close()
+
+
+def test_version_one_checkpoints_still_load(quantized):
+    out, _ = quantized
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format_version"] == 2
+    old = out.parent / "version-one"
+    shutil.copytree(out, old, dirs_exist_ok=True)
+    config["quantization_config"]["format_version"] = 1
+    (old / "config.json").write_text(json.dumps(config))
+    for index in range(LAYERS):
+        opened = SafetensorsFile(layer_path(old, index))
+        tensors = {key: opened.tensor(key).clone() for key in opened.entries}
+        write_safetensors(layer_path(old, index), tensors, {**opened.metadata, "version": "1"})
+    load_model(LoadOptions(str(old), device="cpu", dtype="fp32")).layers.close()
+
+
+def test_a_source_on_a_q4_1_grid_gets_the_aligned_settings_unless_the_user_chose():
+    from quant.quantize import resolve_settings
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (32, 64), generator=generator).float()
+    codes[:, 0::32], codes[:, 1::32] = 0, 15          # Q4_1: each block's minimum and maximum on the grid
+    scale, low = torch.rand(32, 2, 1, generator=generator) + 0.1, torch.randn(32, 2, 1, generator=generator)
+    on_grid = {"q": (codes.view(32, 2, 32) * scale + low).view(32, 64)}
+    natural = {"q": torch.randn(32, 64, generator=generator)}
+    root_out = Path("unused")
+    config = QuantizeConfig(None, root_out, bits=4)
+    aligned, message = resolve_settings(config, on_grid)
+    assert (aligned.groupsize, aligned.stats_bits, aligned.act_order) == (32, 8, False) and "aligned" in message
+    plain, hint = resolve_settings(config, natural)
+    assert (plain.groupsize, plain.stats_bits, plain.act_order) == (16, 3, True) and hint is None
+    chosen, hint = resolve_settings(QuantizeConfig(None, root_out, bits=4, groupsize=16), on_grid)
+    assert (chosen.groupsize, chosen.stats_bits, chosen.act_order) == (16, 3, True) and "--no-act-order" in hint
+    three, _ = resolve_settings(QuantizeConfig(None, root_out, bits=3), on_grid)
+    assert (three.groupsize, three.act_order) == (16, True)

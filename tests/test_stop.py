@@ -67,7 +67,7 @@ def test_batch_lines_take_openai_stop():
 @pytest.mark.parametrize("strings", [["the"], [" the walk"], ["é"], ["😀", "thanks"], ["\n\nUser:"]])
 def test_the_window_check_agrees_with_searching_the_whole_text(strings):
     from offload import Tokenizer
-    from offload.sources import resolve_model
+    from offload.weights.resolve import resolve_model
     tokenizer = Tokenizer(resolve_model(None))
     stops = StopStrings(tokenizer, strings)
     ids = tokenizer.encode(TEXT)

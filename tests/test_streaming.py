@@ -6,12 +6,12 @@ import time
 import pytest
 import torch
 
-import offload.layers
-import offload.model
+import offload.model.layers
+import offload.model.decoder
 from offload.loader import LoadOptions, build_engine
 from offload.planner import PlanError
 from offload.stream import StreamError
-from offload.weights import CheckpointSource
+from offload.weights.source import CheckpointSource
 
 
 def _engine(folder, tier: str, ring_size: int = 2, num_resident: int = 1, **kwargs):
@@ -118,7 +118,7 @@ def test_ctrl_c_mid_pass_stops_the_loader_and_the_next_pass_still_works(folder, 
     engine, _ = _engine(folder, "ram")
     prompt = torch.tensor([[4, 8, 15]])
     expected = engine.model.forward(prompt, engine.model.new_cache(64)).logits
-    real_layer, calls = offload.model.decoder_layer, {"n": 0}
+    real_layer, calls = offload.model.decoder.decoder_layer, {"n": 0}
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -126,15 +126,15 @@ def test_ctrl_c_mid_pass_stops_the_loader_and_the_next_pass_still_works(folder, 
             raise KeyboardInterrupt
         return real_layer(*args, **kwargs)
 
-    monkeypatch.setattr(offload.model, "decoder_layer", interrupted)
+    monkeypatch.setattr(offload.model.decoder, "decoder_layer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.model.forward(prompt, engine.model.new_cache(64))
     assert not _loader_threads()
-    monkeypatch.setattr(offload.model, "decoder_layer", real_layer)
+    monkeypatch.setattr(offload.model.decoder, "decoder_layer", real_layer)
     again = engine.model.forward(prompt, engine.model.new_cache(64)).logits
     engine.layers.close()
     assert torch.equal(again, expected)
-    assert offload.layers.decoder_layer is real_layer
+    assert offload.model.layers.decoder_layer is real_layer
 
 
 def test_budget_below_ring_minimum_is_refused(folder):

@@ -65,7 +65,7 @@ def _words(text: str) -> set[str]:
 def test_templates_never_come_near_an_evaluation_prompt():
     """No template prompt shares half its content words with a chat or MT-Bench prompt (Jaccard < 0.5)."""
     repo = Path(__file__).resolve().parents[1]
-    evaluation = [_words(t) for path in (repo / "tests/data/chat_prompts.jsonl", repo / "bench/data/mt_bench/question.jsonl")
+    evaluation = [_words(t) for path in (repo / "textdata/chat/prompts.jsonl", repo / "textdata/mt_bench/question.jsonl")
                   for t in _texts(prompts_from_jsonl(path, is_evaluation=True))]
     assert len(evaluation) == 44 + 80
     texts = {t for seed in (0, 1) for t in _texts(template_prompts(8000, seed, ["Ann has 3 apples."]))}

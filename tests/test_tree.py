@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from offload.masks import tree_mask
+from trees import tree_from_parents, tree_mask
 from spec import ExactMatch, GrowthConfig, Tree, TreeGrower, Verdict, accepted_path
 from spec.draft import Draft
 from spec.verify import matches_target
@@ -34,7 +34,7 @@ def brute_force_ancestors(parents):
 
 
 def test_positions_and_masks_follow_from_parents():
-    tree = Tree.from_parents(TOKENS, PARENTS)
+    tree = tree_from_parents(TOKENS, PARENTS)
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.positions(40).tolist() == [[40, 41, 41, 42, 42, 42, 43]]
     assert torch.equal(tree.ancestor_mask(), brute_force_ancestors(PARENTS))
@@ -47,11 +47,11 @@ def test_positions_and_masks_follow_from_parents():
 @pytest.mark.parametrize("parents, fragment", [([0, 0], "root"), ([-1, 2, 0], "precedes"), ([-1, -1], "precedes")])
 def test_malformed_trees_are_refused(parents, fragment):
     with pytest.raises(ValueError, match=fragment):
-        Tree.from_parents(list(range(len(parents))), parents)
+        tree_from_parents(list(range(len(parents))), parents)
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():
-    tree = Tree.from_parents(TOKENS, PARENTS)
+    tree = tree_from_parents(TOKENS, PARENTS)
     # target's choice at each node: at root 11 (node 1), at 1 -> 13 (node 3), at 3 -> 16 (node 6), at 6 -> 99
     choices = torch.tensor([11, 13, 0, 16, 0, 0, 99])
     ok = ExactMatch().accept(tree, Verdict(choices, None))
@@ -64,7 +64,7 @@ def test_greedy_acceptance_takes_the_longest_matching_path():
 
 
 def test_acceptance_ties_prefer_the_earlier_node():
-    tree = Tree.from_parents([1, 2, 3], [-1, 0, 0])
+    tree = tree_from_parents([1, 2, 3], [-1, 0, 0])
     assert accepted_path(tree, torch.tensor([True, True, True])) == [0, 1]
 
 
@@ -183,6 +183,6 @@ def test_growth_adds_the_context_lookup_child_and_expands_it_causally(tiny_draft
 
 
 def test_path_tokens_list_each_nodes_tokens_up_to_the_root():
-    tree = Tree.from_parents([10, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
+    tree = tree_from_parents([10, 11, 12, 13, 14], [-1, 0, 0, 1, 3])
     assert tree.path_tokens().tolist() == [[10, -1, -1, -1], [11, 10, -1, -1], [12, 10, -1, -1],
                                            [13, 11, 10, -1], [14, 13, 11, 10]]

@@ -10,7 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .jsonl import read_jsonl
+from offload.weights.disk_errors import append_text, writing
+from textdata import read_jsonl
 
 
 def target_fingerprint(path: Path) -> str:
@@ -46,5 +47,6 @@ class AnswerCache:
         self.answers[key] = list(answer_ids)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as out:
-                out.write(json.dumps({"key": key, "answer_ids": list(answer_ids)}) + "\n")
+            with writing(self.path, f"{len(self.answers) - 1} answers in {self.path}",
+                         f"rerun the same command with --answers-cache {self.path}: saved answers are reused"):
+                append_text(self.path, json.dumps({"key": key, "answer_ids": list(answer_ids)}) + "\n")

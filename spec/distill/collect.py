@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from offload import LoadedModel
+from offload.weights.disk_errors import append_text
 from .corpus import append_shard, done_ids
 from .generate import GenerationConfig, generate_batch, length_sorted_batches
-from .jsonl import read_jsonl
+from textdata import read_jsonl
 from .prompts import TrainingPrompt, clean_self_prompt, meta_prompts
 
 ProgressCallback = Callable[[dict], None]
@@ -57,8 +58,7 @@ def collect_self_prompts(target: LoadedModel, corpus_dir: Path, count: int, conf
         sequences = generate_batch(target.model, [ids for _, ids in batch], target.stop_ids, config, generator)
         new_rows = [{"meta_id": p.id, "text": clean_self_prompt(target.tokenizer.decode(s.answer_ids))}
                     for (p, _), s in zip(batch, sequences)]
-        with open(path, "a") as out:
-            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in new_rows)
+        append_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in new_rows))
         rows += new_rows
         if on_progress:
             on_progress({"phase": "self_prompts", "done": len(rows), "total": count})

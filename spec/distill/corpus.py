@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.safetensors_io import SafetensorsFile, write_safetensors
+from offload.weights.disk_errors import append_text
+from offload.weights.safetensors_io import SafetensorsFile, write_safetensors
 from .generate import GeneratedSequence
-from .jsonl import read_jsonl
+from textdata import read_jsonl
 
 CORPUS_FORMAT = {"format": "specstream-distill-corpus", "version": "1"}
 
@@ -57,11 +58,11 @@ def append_shard(corpus_dir: Path, tag: str, records: list[dict], sequences: lis
         "topk_ids": torch.cat([s.topk_ids for s in sequences]),
         "topk_logprobs": torch.cat([s.topk_logprobs for s in sequences]),
     }, CORPUS_FORMAT)
-    with open(Path(corpus_dir) / f"records-{tag}.jsonl", "a") as out:
-        for row, (record, seq, answer) in enumerate(zip(records, sequences, answers)):
-            line = {**record, "shard": path.name, "row": row, "num_prompt_tokens": seq.num_prompt_tokens,
-                    "num_answer_tokens": len(seq.answer_ids), "stop": seq.stop_reason, "answer": answer}
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    lines = [{**record, "shard": path.name, "row": row, "num_prompt_tokens": seq.num_prompt_tokens,
+              "num_answer_tokens": len(seq.answer_ids), "stop": seq.stop_reason, "answer": answer}
+             for row, (record, seq, answer) in enumerate(zip(records, sequences, answers))]
+    append_text(Path(corpus_dir) / f"records-{tag}.jsonl", "".join(json.dumps(line, ensure_ascii=False) + "\n"
+                                                                   for line in lines))
     return path
 
 

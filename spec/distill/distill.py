@@ -1,8 +1,9 @@
 """`distill`: collect the target's answers, pick the draft vocabulary, train, export the draft folder.
 
-Every phase resumes: answers are recorded per batch, the vocabulary is fixed by the first run, and
-training continues from out/training/checkpoint.pt. The draft folder in `out_dir` is re-exported at
-each checkpoint, so it always holds the latest usable draft.
+Every phase resumes: answers are recorded per batch, the vocabulary is fixed by the first run
+(out/training/vocab_map.safetensors), and training continues from out/training/checkpoint.safetensors
+(formats: spec/distill/checkpoint.py). The draft folder in `out_dir` is re-exported at each checkpoint, so
+it always holds the latest usable draft. A full disk stops the run with one line saying what is saved.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from pathlib import Path
 import torch
 
 from offload import LoadedModel, LoadOptions, load_model
-from offload.weights import CheckpointSource
+from offload.weights.resolve import is_default_model
+from offload.weights.disk_errors import write_text_atomic, writing
+from offload.weights.formats import dense_source
 from .batches import is_validation
+from .checkpoint import read_vocab_map, refuse_pickled, write_vocab_map
 from .collect import collect_answers, collect_self_prompts
 from .corpus import load_corpus, source_summary, token_counts
 from spec.draft_folder import DraftInfo, embedding_fingerprint, read_draft_info
@@ -32,7 +36,7 @@ from .revocab import revocab_checkpoint
 from .train import CHECKPOINT_NAME, TrainConfig, Trainer
 
 ProgressCallback = Callable[[dict], None]
-VOCAB_FILE = "vocab_map.pt"
+VOCAB_FILE = "vocab_map.safetensors"
 
 
 @dataclass(slots=True)
@@ -63,6 +67,7 @@ class DistillConfig:
     seed: int = 0
     init_draft: Path | None = None          # start from this trained draft (its layers, kept head rows)
     head_only: bool = False                 # with init_draft: train only the head rows and biases
+    formats: tuple = ()                     # packed weight formats the target may be in (runtime.weight_formats)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -138,7 +143,7 @@ def template_prefix_length(target: LoadedModel) -> int:
 def _vocab_map(config: DistillConfig, target: LoadedModel, sequences) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(vocabulary to train, the previous one when --revocab replaces it, else None)."""
     path = config.work_dir / VOCAB_FILE
-    old_map = torch.load(path) if path.exists() else None
+    old_map = read_vocab_map(path) if path.exists() else None
     if old_map is not None and not config.revocab:
         return old_map, None
     top = old_map.numel() if old_map is not None else config.vocab_top
@@ -149,7 +154,7 @@ def _vocab_map(config: DistillConfig, target: LoadedModel, sequences) -> tuple[t
     else:
         vocab_map = choose_vocab(counts, top, target.stop_ids)
     if old_map is None:
-        torch.save(vocab_map, path)
+        write_vocab_map(path, vocab_map)
     return vocab_map, old_map
 
 
@@ -159,7 +164,7 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
     validation = [s for s in sequences if is_validation(s.prompt_id) and s.source != "text"]
     config.work_dir.mkdir(parents=True, exist_ok=True)
     vocab_map, old_map = _vocab_map(config, target, sequences)
-    source = CheckpointSource(target.path, target.config)
+    source = dense_source(target.path, target.config)   # a GGUF target: decoded layer by layer
     if config.init_draft is not None:
         model = draft_from_draft(config.init_draft, source, vocab_map)
         if config.head_only:
@@ -170,9 +175,9 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
     if old_map is not None:
         if checkpoint.exists():
             revocab_checkpoint(checkpoint, model, old_map, vocab_map)
-        torch.save(vocab_map, config.work_dir / VOCAB_FILE)
+        write_vocab_map(config.work_dir / VOCAB_FILE, vocab_map)
     model.to(target.model.device)       # trains where the target runs (weights stay float32)
-    target_name = "default" if config.target in (None, "default") else \
+    target_name = "default" if is_default_model(config.target) else \
         str(Path(config.target).resolve() if Path(config.target).exists() else config.target)
     fingerprint = embedding_fingerprint(source.global_tensors()["embed"])
     if config.init_draft is not None:
@@ -201,6 +206,7 @@ def build_trainer(config: DistillConfig, target: LoadedModel, corpus_dir: Path) 
 
 def distill(config: DistillConfig, on_progress: ProgressCallback | None = None) -> dict:
     """Builds (or continues building, with config.resume) a draft for config.target in config.out_dir."""
+    refuse_pickled(config.work_dir, config.out_dir)
     checkpoint = config.work_dir / CHECKPOINT_NAME
     if checkpoint.exists() and not config.resume:
         raise ValueError(f"{config.out_dir} already holds a training run; pass --resume to continue it "
@@ -209,16 +215,25 @@ def distill(config: DistillConfig, on_progress: ProgressCallback | None = None) 
     max_pass = config.generation.batch_size * config.generation.prefill_chunk
     target = load_model(LoadOptions(config.target, config.device, config.dtype,
                                     max_context=config.generation.max_prompt_tokens + config.generation.max_new_tokens,
-                                    max_pass_tokens=max_pass))
-    corpus_dir = collect(config, target, on_progress)
-    trainer, info = build_trainer(config, target, corpus_dir)
-    trainer.load_checkpoint()
-    if on_progress:
-        on_progress({"phase": "train_start", "resumed_at": trainer.state.step, "num_steps": config.num_steps,
-                     "corpus": info.training["corpus_tokens"], "vocab_top": info.vocab_top})
-    state = trainer.run(on_progress)
-    summary = {"out_dir": str(config.out_dir), "steps": state.step, "tokens_seen": state.tokens_seen,
-               "train_seconds": round(state.seconds), "seconds_this_run": round(time.monotonic() - start),
-               "validation": state.history[-1] if state.history else None, "draft": info.as_dict()}
-    (config.work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                                    max_pass_tokens=max_pass, formats=config.formats))
+    trainer: Trainer | None = None
+
+    def saved() -> str:     # asked only when a write fails for lack of space
+        step = trainer.saved_step if trainer is not None else None
+        return (f"the answers collected in {config.corpus_dir or config.work_dir / 'corpus'}"
+                + ("" if step is None else f" and the training checkpoint at step {step}"))
+
+    with writing(config.out_dir, saved, f"rerun `specstream distill --out {config.out_dir} --resume` with the "
+                                        "same flags"):
+        corpus_dir = collect(config, target, on_progress)
+        trainer, info = build_trainer(config, target, corpus_dir)
+        trainer.load_checkpoint()
+        if on_progress:
+            on_progress({"phase": "train_start", "resumed_at": trainer.state.step, "num_steps": config.num_steps,
+                         "corpus": info.training["corpus_tokens"], "vocab_top": info.vocab_top})
+        state = trainer.run(on_progress)
+        summary = {"out_dir": str(config.out_dir), "steps": state.step, "tokens_seen": state.tokens_seen,
+                   "train_seconds": round(state.seconds), "seconds_this_run": round(time.monotonic() - start),
+                   "validation": state.history[-1] if state.history else None, "draft": info.as_dict()}
+        write_text_atomic(config.work_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

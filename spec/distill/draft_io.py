@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from offload.config import ModelConfig
-from offload.safetensors_io import write_safetensors
-from offload.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES
-from spec.draft_folder import (DRAFT_FORMAT, HEAD_BIAS_KEY, QUANT_GROUP, SCALE_SUFFIX, TOKENIZER_FILES, VOCAB_MAP_KEY,
+from offload.model.config import ModelConfig
+from offload.weights.disk_errors import write_text_atomic
+from offload.weights.safetensors_io import write_safetensors
+from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+from offload.weights.tokenizer import copy_tokenizer_files
+from spec.draft_folder import (DRAFT_FORMAT, HEAD_BIAS_KEY, QUANT_GROUP, SCALE_SUFFIX, VOCAB_MAP_KEY,
                                DraftInfo, read_draft_info, read_draft_tensors, target_embedding)
 from .draft_model import DraftModel
 
@@ -37,10 +38,8 @@ def save_draft(folder: str | Path, model: DraftModel, info: DraftInfo, target_fo
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     raw.update(num_hidden_layers=len(model.layers), tie_word_embeddings=False, torch_dtype="float16",
                dtype="float16", specstream_draft=info.as_dict())
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (target_folder / name).exists():
-            shutil.copyfile(target_folder / name, folder / name)
+    write_text_atomic(folder / "config.json", json.dumps(raw, indent=2) + "\n")
+    copy_tokenizer_files(target_folder, folder)
     return (folder / "model.safetensors").stat().st_size
 
 

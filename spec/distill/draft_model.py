@@ -1,8 +1,8 @@
 """The trainable draft: the target's token embedding (frozen), decoder layers at the target's width,
 a final norm and an LM head over a trimmed vocabulary of K target tokens.
 
-Layers hold their weights as nn.Parameters under the canonical names of offload/weights.py, so the
-forward is offload/layers.decoder_layer itself: what trains is exactly what the runtime runs.
+Layers hold their weights as nn.Parameters under the canonical names of offload/weights/source.py, so the
+forward is offload/model/layers.decoder_layer itself: what trains is exactly what the runtime runs.
 The first `num_frozen` layers are copies of target layers kept frozen (an early-exit draft).
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from offload.config import ModelConfig
-from offload.layers import decoder_layer, linear, rms_norm
-from offload.rope import Rotary
+from offload.model.config import ModelConfig
+from offload.model.layers import decoder_layer, linear, rms_norm
+from offload.model.rope import Rotary
 
 DRAFT_KINDS = ("early-exit", "small")
 

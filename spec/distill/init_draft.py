@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.weights import WeightSource
-from offload.safetensors_io import SafetensorsFile
+from offload.weights.source import WeightSource
+from offload.weights.safetensors_io import SafetensorsFile
 from spec.draft_folder import VOCAB_MAP_KEY, read_draft_info
 from spec.vocab_map import out_of_set_rows
 from .draft_io import load_draft_module

@@ -10,11 +10,11 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .jsonl import read_jsonl
+import textdata
+from textdata import read_jsonl
 
-DATA_DIR = Path(__file__).resolve().parent / "data"   # training sets, with their licences
 # Files whose prompts are used to evaluate drafts; training on them would inflate every figure.
-EVAL_FILES = ("prompts/chat.jsonl", "mt_bench/question.jsonl", "gsm8k/test.jsonl")
+EVAL_FILES = ("prompts/chat.jsonl",) + textdata.EVALUATION_SETS
 
 TOPICS = (
     "astronomy", "cooking", "gardening", "world history", "personal finance", "climate", "the human body",
@@ -128,6 +128,5 @@ def interleave(groups: list[list[TrainingPrompt]], seed: int) -> list[TrainingPr
 
 
 def default_prompt_files() -> dict[str, Path]:
-    """The shipped training sets (data/ in the repository, with their licences)."""
-    return {"seed_tasks": DATA_DIR / "self_instruct" / "seed_tasks.jsonl",
-            "gsm8k_train": DATA_DIR / "gsm8k" / "train.jsonl"}
+    """The shipped training sets (textdata/, with their licences)."""
+    return {"seed_tasks": textdata.path(textdata.SELF_INSTRUCT), "gsm8k_train": textdata.path(textdata.GSM8K_TRAIN)}

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from spec.vocab_map import out_of_set_rows
 from .draft_model import DraftModel
-from .train import write_checkpoint
+from .checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 
 
 def _remap_rows(old: Tensor, rows: Tensor, fresh: Tensor) -> Tensor:
@@ -28,11 +28,14 @@ def _remap_rows(old: Tensor, rows: Tensor, fresh: Tensor) -> Tensor:
 def revocab_checkpoint(checkpoint_path: Path, model: DraftModel, old_map: Tensor, new_map: Tensor) -> int:
     """Rewrites the training checkpoint for `new_map`; `model` is the freshly built draft over `new_map`
     (its head rows are the target's). Returns how many rows kept their trained values."""
-    payload = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    payload = read_checkpoint(checkpoint_path)
     if torch.equal(payload.get("vocab_map", old_map).cpu(), new_map.cpu()):
         return new_map.numel()
     rows = out_of_set_rows(old_map.cpu(), model.config.vocab_size)[new_map.cpu()]     # [K]
     weights = payload["model"]
+    if "head" not in weights or "head_bias" not in weights or weights["head"].shape[0] != old_map.numel():
+        raise CheckpointError(f"{checkpoint_path} lacks a head of {old_map.numel()} rows (the vocabulary it was "
+                              f"trained on): it is not this run's checkpoint")
     fresh_head = model.head.detach().cpu()                                          # [K, H]
     fresh_bias = torch.full_like(model.head_bias.detach().cpu(), float(weights["head_bias"].mean()))
     weights["head"] = _remap_rows(weights["head"], rows, fresh_head)

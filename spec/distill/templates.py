@@ -12,9 +12,9 @@ import random
 import string
 from pathlib import Path
 
-from .prompts import DATA_DIR, TrainingPrompt
+from .prompts import TrainingPrompt
 
-TEMPLATES_FILE = DATA_DIR / "chat_templates.json"
+TEMPLATES_FILE = Path(__file__).resolve().parent / "data" / "chat_templates.json"
 SLOT_LISTS = {"topic": "topics", "topic2": "topics", "stem_topic": "stem_topics",
               "humanities_topic": "humanities_topics", "role": "roles", "code_task": "code_tasks",
               "language": "languages", "audience": "audiences"}

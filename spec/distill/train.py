@@ -3,7 +3,6 @@ checkpoints every few minutes (atomic), resume from the last one, evaluation on 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -13,12 +12,14 @@ import torch
 
 from .batches import BatchStream, make_batch
 from .corpus import CorpusSequence
+from spec.draft_folder import embedding_fingerprint
 from spec.vocab_map import out_of_set_rows
+from .checkpoint import CheckpointError, check_fits, read_checkpoint, write_checkpoint
 from .draft_model import DraftModel
 from .loss import sparse_kl_loss
 
 ProgressCallback = Callable[[dict], None]
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = "checkpoint.safetensors"   # format: spec/distill/checkpoint.py
 
 
 @dataclass(slots=True)
@@ -51,13 +52,6 @@ class TrainState:
     history: list[dict] = field(default_factory=list)   # evaluations
 
 
-def write_checkpoint(payload: dict, path: Path) -> None:
-    """torch.save, atomically: a stop mid-write leaves the previous checkpoint in place."""
-    tmp = Path(path).with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
 def learning_rate(config: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to min_learning_rate_ratio x the peak."""
     if step < config.warmup_steps:
@@ -79,6 +73,7 @@ class Trainer:
         self.checkpoint_path = Path(work_dir) / CHECKPOINT_NAME
         self.on_checkpoint = on_checkpoint
         self.state = TrainState()
+        self.saved_step: int | None = None              # the step the checkpoint on disk holds
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.use_bf16)
@@ -144,8 +139,10 @@ class Trainer:
         """Trainable weights, optimizer and progress, written atomically; then on_checkpoint exports."""
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                   "state": asdict(self.state), "config": asdict(self.config), "trainable": self.trainable_names()}
+                   "state": asdict(self.state), "config": asdict(self.config), "trainable": self.trainable_names(),
+                   "target": embedding_fingerprint(self.model.embed)}
         write_checkpoint(payload, self.checkpoint_path)
+        self.saved_step = self.state.step
         if self.on_checkpoint:
             self.on_checkpoint(self.model, self.state)
 
@@ -156,12 +153,19 @@ class Trainer:
         """Continues from the checkpoint in work_dir if there is one; returns whether it did."""
         if not self.checkpoint_path.exists():
             return False
-        payload = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
-        trained = payload.get("trainable", self.trainable_names())
+        path = self.checkpoint_path
+        payload = read_checkpoint(path)
+        trained = payload["trainable"]
         if trained != self.trainable_names():
-            raise ValueError(f"{self.checkpoint_path} trained {len(trained)} tensors, this run "
-                             f"{len(self.trainable_names())}: resume with the same --head-only setting")
+            raise CheckpointError(f"{path} trained {len(trained)} tensors, this run "
+                                  f"{len(self.trainable_names())}: resume with the same --head-only setting")
+        check_fits(payload, path, self.model.state_dict(), self.model.trainable_parameters(),
+                   embedding_fingerprint(self.model.embed))
+        try:
+            state = TrainState(**payload["state"])
+            self.optimizer.load_state_dict(payload["optimizer"])
+        except (TypeError, ValueError, KeyError) as err:
+            raise CheckpointError(f"{path}: training state does not fit this run ({err})") from None
         self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.state = TrainState(**payload["state"])
+        self.state, self.saved_step = state, state.step
         return True

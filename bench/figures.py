@@ -1,0 +1,114 @@
+"""The suite's headline figures, read from its JSON: tokens per second per engine, and the ratios, each
+taken from ONE benchmark's run (both sides measured in the same process sequence, same prompt, same
+threads). report.md and the generated record blocks both print these."""
+from __future__ import annotations
+
+
+def engine_rows(results: dict) -> list[dict]:
+    """[{engine, tokens_per_second, measure, benchmark}], ours first, then the peers; rows whose benchmark
+    did not run are left out (the report lists skipped benchmarks apart)."""
+    rows: list[dict] = []
+    _spec_rows(results.get("spec") or {}, rows)
+    _peer_rows(results.get("peers") or {}, rows)
+    _disk_rows(results.get("quant_disk") or {}, rows)
+    llama = results.get("llama_cpp") or {}
+    if llama.get("tokens_per_second"):
+        rows.append(_row("llama.cpp (llama-cpp-python, Q4_1 GGUF)", llama["tokens_per_second"], DECODE, "llama_cpp"))
+    for size, tps in batch_points(results.get("batch") or {}):
+        rows.append(_row(f"specstream batched, {size} sequences", tps, "generated tok/s, all sequences", "batch"))
+    return rows
+
+
+DECODE, ANSWER = "decode tok/s (prefill excluded)", "answer tok/s (prefill included)"
+
+
+def _row(engine: str, tps: float, measure: str, benchmark: str) -> dict:
+    return {"engine": engine, "tokens_per_second": round(float(tps), 3), "measure": measure, "benchmark": benchmark}
+
+
+def _spec_rows(spec: dict, rows: list[dict]) -> None:
+    for mode, report in (spec.get("modes") or {}).items():
+        rows.append(_row(f"specstream {mode}, autoregressive", report["autoregressive"]["tokens_per_second"],
+                         ANSWER, "spec"))
+        auto = report["auto"]
+        rows.append(_row(f"specstream {mode}, speculative (auto budget {auto.get('chosen_budget')})",
+                         auto["tokens_per_second"], ANSWER, "spec"))
+    peer = spec.get("assisted_generation") or {}
+    if "tokens_per_second" in peer:
+        rows.append(_row("transformers generate", peer["transformers_autoregressive_tokens_per_second"], ANSWER,
+                         "spec"))
+        rows.append(_row("transformers assisted generation (same draft)", peer["tokens_per_second"], ANSWER, "spec"))
+
+
+PEER_NAMES = {"ours_resident": "specstream resident", "ours_ram": "specstream streamed from RAM",
+              "ours_disk_warm": "specstream streamed from disk (page cache warm)",
+              "ours_disk_cold": "specstream streamed from a cold disk",
+              "transformers_resident": "transformers generate", "accelerate_disk_warm": "accelerate disk offload (warm)",
+              "accelerate_disk_cold": "accelerate disk offload (cold)", "accelerate_cpu": "accelerate cpu_offload",
+              "airllm": "AirLLM"}
+
+
+def _peer_rows(peers: dict, rows: list[dict]) -> None:
+    for engine, entry in (peers.get("engines") or {}).items():
+        if entry.get("seconds_per_token"):
+            rows.append(_row(PEER_NAMES.get(engine, engine), 1 / entry["seconds_per_token"], DECODE, "peers"))
+
+
+def _disk_rows(disk: dict, rows: list[dict]) -> None:
+    for row in disk.get("rows") or []:
+        rows.append(_row(f"specstream cold disk, {row['model']}", row["tokens_per_second"], DECODE, "quant_disk"))
+    for row in (disk.get("gguf_in_place") or {}).get("rows") or []:
+        if not row["model"].startswith("reference-"):
+            rows.append(_row(f"specstream cold disk, GGUF in place ({row['model']})", row["tokens_per_second"],
+                             DECODE, "quant_disk"))
+
+
+def batch_points(batch: dict) -> list[tuple[int, float]]:
+    """(batch size, total tok/s) from `bench batch`'s report, whatever its rows are called."""
+    rows = batch.get("rows") or batch.get("runs") or []
+    points = []
+    for row in rows:
+        size = row.get("batch_size", row.get("batch"))
+        tps = row.get("tokens_per_second", row.get("throughput_tokens_per_second", row.get("throughput")))
+        if isinstance(size, int) and isinstance(tps, (int, float)):
+            points.append((size, float(tps)))
+    return sorted(points)
+
+
+def ratio_rows(results: dict) -> list[dict]:
+    """[{ratio, value, benchmark, reads}]: every comparison the suite made, each within one benchmark."""
+    out: list[dict] = []
+
+    def add(name: str, value, benchmark: str, reads: str) -> None:
+        if isinstance(value, (int, float)):
+            out.append({"ratio": name, "value": round(float(value), 3), "benchmark": benchmark, "reads": reads})
+
+    spec = results.get("spec") or {}
+    for mode, report in (spec.get("modes") or {}).items():
+        add(f"speculative (auto) / autoregressive, {mode}", report["auto"].get("speedup_vs_autoregressive"), "spec",
+            ">1: speculation is faster")
+    summary, peer = spec.get("summary") or {}, spec.get("assisted_generation") or {}
+    add("our best tokens per pass / assisted generation's tokens per target forward",
+        summary.get("ratio_tokens_per_pass_vs_assisted"), "spec", ">1: our trees accept more per pass")
+    resident = (spec.get("modes") or {}).get("resident")
+    if resident and peer.get("tokens_per_second"):
+        add("ours speculative (auto, resident) / transformers assisted generation, tok/s",
+            resident["auto"]["tokens_per_second"] / peer["tokens_per_second"], "spec", ">1: ours is faster")
+        add("ours autoregressive (resident) / transformers generate, tok/s",
+            resident["autoregressive"]["tokens_per_second"] / peer["transformers_autoregressive_tokens_per_second"],
+            "spec", ">1: ours is faster")
+    for name, value in ((results.get("peers") or {}).get("ratios") or {}).items():
+        add(f"{name} (seconds per token)", value, "peers", ">1: ours is faster")
+    disk = results.get("quant_disk") or {}
+    for row in (disk.get("rows") or []) + ((disk.get("gguf_in_place") or {}).get("rows") or []):
+        if not row["model"].startswith("reference-"):
+            add(f"{row['model']} / fp32 from a cold disk, tok/s", row.get("speedup_vs_fp32"), "quant_disk",
+                ">1: the packed weights are faster")
+    llama = results.get("llama_cpp") or {}
+    add("llama.cpp / ours resident, decode tok/s", llama.get("llama_cpp_over_ours_resident_tokens_per_second"),
+        "llama_cpp + peers", ">1: llama.cpp is faster")
+    points = batch_points(results.get("batch") or {})
+    if len(points) > 1 and points[0][1]:
+        add(f"batched {points[-1][0]} / batch {points[0][0]}, tok/s", points[-1][1] / points[0][1], "batch",
+            ">1: batching adds throughput")
+    return out

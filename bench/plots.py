@@ -1,0 +1,143 @@
+"""report.md's pictures, drawn with matplotlib (the optional `bench` extra: pip install 'specstream[bench]').
+matplotlib is imported only here and only when a plot is drawn; each function takes the suite's JSON and
+returns the PNG's file name, or None when the benchmark behind it has no figures to draw."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.figures import batch_points, engine_rows
+
+INSTALL_HINT = "pip install 'specstream[bench]'"
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")       # files only, never a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    _pyplot().close(fig)
+    return name
+
+
+def tokens_per_pass(spec: dict, out: Path) -> str | None:
+    modes = spec.get("modes") or {}
+    if not modes:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, report in modes.items():
+        rows = report["budgets"]
+        ax.plot([r["budget"] for r in rows], [r["tokens_per_pass"] for r in rows], marker="o", label=mode)
+    peer = spec.get("assisted_generation") or {}
+    if peer.get("tokens_per_target_forward"):
+        ax.axhline(peer["tokens_per_target_forward"], linestyle="--", color="grey",
+                   label="transformers assisted (tokens per target forward)")
+    ax.set(xscale="log", xlabel="tree budget (tokens verified per pass)", ylabel="tokens accepted per pass",
+           title="Tokens per pass vs budget")
+    ax.legend()
+    return _save(fig, out, "tokens_per_pass.png")
+
+
+def pass_time(stream: dict, out: Path) -> str | None:
+    """Pass time vs pass size per tier, each beside its raw-bandwidth floor (bytes streamed / raw GB/s)."""
+    tiers = dict((stream.get("tiers") or {}).items())
+    gpu = stream.get("gpu_reference")
+    if not tiers and not gpu:
+        return None
+    plt = _pyplot()
+    panels = [("CPU (this machine)", tiers)] + ([(f"{gpu['device']} ({gpu['date']})", {"ram": gpu})] if gpu else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, by_tier) in zip(axes[0], panels):
+        for tier, report in by_tier.items():
+            rows = report["passes"]
+            sizes = [r["tokens"] for r in rows]
+            line, = ax.plot(sizes, [r["pass_seconds"] for r in rows], marker="o", label=f"{tier}: pass time")
+            ax.plot(sizes, [r["bytes_streamed"] / (r["raw_gbps"] * 1e9) for r in rows], linestyle="--",
+                    color=line.get_color(), label=f"{tier}: raw bandwidth floor")
+        ax.set(xscale="log", yscale="log", xlabel="tokens per pass (tree size)", ylabel="seconds per pass",
+               title=title)
+        ax.legend(fontsize=8)
+    return _save(fig, out, "pass_time.png")
+
+
+def perplexity_bits(quant: dict, out: Path) -> str | None:
+    rows = [r for r in quant.get("rows") or [] if r["method"] != "reference"]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    families: dict[str, list[dict]] = {}
+    for row in rows:
+        families.setdefault(row["method"].split("-")[0], []).append(row)
+    for family, members in families.items():
+        ax.scatter([r["bits_per_param"] for r in members], [100 * r["mean_increase"] for r in members], label=family)
+        for r in members:
+            ax.annotate(r["method"], (r["bits_per_param"], 100 * r["mean_increase"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(xlabel="bits per parameter", ylabel="mean perplexity increase over fp32 (%)",
+           title="Perplexity vs bits per parameter")
+    ax.legend()
+    return _save(fig, out, "perplexity_bits.png")
+
+
+def engines(results: dict, out: Path) -> str | None:
+    rows = engine_rows(results)
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
+    names = [f"{r['engine']} [{r['benchmark']}]" for r in rows]
+    colours = ["tab:blue" if r["engine"].startswith("specstream") else "tab:orange" for r in rows]
+    ax.barh(names, [r["tokens_per_second"] for r in rows], color=colours)
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens per second (blue: ours, orange: peers)", title="Tokens per second per engine")
+    ax.tick_params(axis="y", labelsize=7)
+    return _save(fig, out, "engines.png")
+
+
+def batch_throughput(batch: dict, out: Path) -> str | None:
+    points = batch_points(batch)
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    ax.set(xscale="log", xlabel="batch size (sequences)", ylabel="tokens per second, all sequences",
+           title="Throughput vs batch size")
+    return _save(fig, out, "batch_throughput.png")
+
+
+def judge_curve(judge: dict[str, dict], out: Path) -> str | None:
+    """Tokens per pass and answer agreement per judge threshold, one line per task."""
+    if not judge:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for task, result in judge.items():
+        rows = result["thresholds"]
+        thresholds = [r["threshold"] for r in rows]
+        line, = left.plot(thresholds, [r["tokens_per_pass"] for r in rows], marker="o", label=task)
+        left.axhline(result["lossless"]["tokens_per_pass"], linestyle="--", color=line.get_color(),
+                     label=f"{task} lossless")
+        right.plot(thresholds, [r["answer_agreement"] for r in rows], marker="o", label=task)
+    left.set(xscale="log", xlabel="judge threshold (accept when p(important) < t)", ylabel="tokens per pass",
+             title="Judge: tokens per pass vs threshold")
+    right.set(xscale="log", xlabel="judge threshold", ylabel="answers equal to lossless", ylim=(0, 1.05),
+              title="Judge: answer agreement vs threshold")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    return _save(fig, out, "judge_threshold.png")

@@ -1,0 +1,233 @@
+"""plan: where each part of a model would live (device, RAM, disk) and the predicted transfer per pass, from
+config.json alone (or a GGUF file's header). A plan may describe a GPU this machine does not have
+(`--device cuda` on a CPU-only machine): then the budgets must be given and the link rate is nominal PCIe
+4.0 x16 unless given. With a GPU described (`--gpu`, `--gpu-tflops`) or measured (`--measured-curve`) it
+also projects the pass time by tree size, the budget that maximises tokens per second, and that rate."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from offload.budgets import default_device_budget, default_host_budget
+from offload.devices import DTYPES, choose_device
+from offload.model.config import ModelConfig
+from offload.pass_model import GPU_PRESETS, GpuPreset, gpu_preset, load_device_check
+from offload.planner import Plan, format_bytes, make_plan, parse_bytes
+from offload.weights.gguf_import import cache_root
+from offload.weights.gguf_model import gguf_file_of
+from offload.weights.resolve import resolve_model
+from offload.weights.sizes import WeightBytes
+from runtime.plan_projection import (WEIGHT_FORMATS, PlanProjection, ProjectionSettings, project_plan,
+                                     request_for_weights, weight_bytes_for)
+from spec.projection import default_acceptance_curve, load_acceptance_curve
+
+from .flags import add_device, add_draft, add_target
+
+NOMINAL_PCIE4_GBPS = 25.0
+
+
+def build_plan(args) -> tuple[Plan, WeightBytes]:
+    """args: target, draft, weights, gpu_mem, ram, budget, context, dtype, device, ring, gpu (as typed)."""
+    device = choose_device(_device_name(args), require_available=False)
+    folder = resolve_model(args.target)
+    config = ModelConfig.from_file(folder)
+    draft = ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None
+    weights = weight_bytes_for(config, args.weights, gguf_file_of(folder), args.dtype)
+    host_budget = parse_bytes(args.ram) if args.ram else default_host_budget()
+    request = request_for_weights(config, weights, DTYPES[args.dtype].itemsize, _device_budget(args, device),
+                                  host_budget, draft, args.context, args.budget, args.ring, device.type == "cpu")
+    return make_plan(request), weights
+
+
+def _device_name(args) -> str:
+    """A described GPU plans for CUDA unless --device says otherwise."""
+    return "cuda" if args.device == "auto" and (args.gpu or args.gpu_tflops) else args.device
+
+
+def _device_budget(args, device: torch.device) -> int:
+    if args.gpu_mem:
+        return parse_bytes(args.gpu_mem)
+    if args.gpu:
+        return gpu_preset(args.gpu).memory_bytes
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no GPU here to read free memory from: give --gpu-mem or --gpu for a CUDA plan")
+    return default_device_budget(device)
+
+
+def measured_bandwidth(args, plan: Plan) -> tuple[dict[str, float | None], str]:
+    """Bytes/s for the host->device link and the disk (None: no layer on disk and no rate given): given on
+    the command line, the --gpu preset's link, else measured now; and where the link rate comes from."""
+    from offload.bandwidth import disk_probe_gbps, host_to_device_gbps
+    device = choose_device(_device_name(args), require_available=False)
+    link, source = args.link_gbps, "--link-gbps"
+    if link is None and args.gpu:
+        link, source = gpu_preset(args.gpu).link_gbps, f"the {gpu_preset(args.gpu).name} preset"
+    if link is None:
+        can_measure = device.type == "cpu" or torch.cuda.is_available()
+        link = host_to_device_gbps(256 << 20, device) if can_measure else NOMINAL_PCIE4_GBPS
+        source = "measured now" if can_measure else "nominal PCIe 4.0 x16"
+    disk = args.disk_gbps
+    if disk is None and "disk" in plan.tier_of:
+        disk = disk_probe_gbps(cache_root() / "probe")
+    return {"ram": link * 1e9, "disk": disk * 1e9 if disk else None}, source
+
+
+def _gpu(args) -> GpuPreset | None:
+    if not args.gpu and args.gpu_tflops is None:
+        return None
+    preset = gpu_preset(args.gpu) if args.gpu else GpuPreset("custom GPU", args.gpu_tflops, 0, NOMINAL_PCIE4_GBPS)
+    return replace(preset, tflops=args.gpu_tflops) if args.gpu_tflops is not None else preset
+
+
+def build_projection(args, plan: Plan, bandwidth: dict[str, float | None]) -> PlanProjection | None:
+    """None when no GPU is described or measured."""
+    gpu = _gpu(args)
+    if gpu is None and not args.measured_curve:
+        return None
+    measured = load_device_check(args.measured_curve) if args.measured_curve else None
+    label = ""
+    if measured is not None:
+        label = f"{json.loads(Path(args.measured_curve).read_text()).get('device', 'a GPU')} ({args.measured_curve})"
+    settings = ProjectionSettings(
+        acceptance=load_acceptance_curve(args.acceptance) if args.acceptance else default_acceptance_curve(),
+        link_gbps=bandwidth["ram"] / 1e9, gpu=gpu, disk_gbps=bandwidth["disk"] / 1e9 if bandwidth["disk"] else None,
+        draft=ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None,
+        draft_round_seconds=args.draft_ms / 1e3 if args.draft_ms is not None else None,
+        decode_gbps=args.decode_gbps, measured=measured, measured_label=label)
+    return project_plan(plan, settings)
+
+
+def add_parsers(commands) -> None:
+    plan = commands.add_parser("plan", help="show where each part of a model would live (config.json is enough)")
+    add_target(plan, "model folder, config.json folder, .gguf or Hub id (default: embedded model)")
+    add_draft(plan, "draft model folder (kept on the device) (default: none)")
+    plan.add_argument("--gpu-mem", default=None, help="device budget, e.g. 24GiB (default: free memory - margin)")
+    plan.add_argument("--ram", default=None, help="host budget, e.g. 64GiB (default: available RAM - margin)")
+    plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
+    plan.add_argument("--context", type=int, default=4096, help="context length, tokens (default: 4096)")
+    plan.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                      help="compute dtype, and the weights' when --weights is not given (default: bf16)")
+    add_device(plan)
+    plan.add_argument("--ring", type=int, default=2, help="layer buffers in the prefetch ring (default: 2)")
+    plan.add_argument("--link-gbps", type=float, default=None,
+                      help="host->device GB/s for the prediction (default: the --gpu preset's, else measured now)")
+    plan.add_argument("--disk-gbps", type=float, default=None,
+                      help="disk GB/s for the prediction (default: measured now, when layers stream from disk)")
+    plan.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
+                      help="decoder layers as stored: a dtype; spqr-w3|spqr-w4|spqr-w4-g32 (SpQR at its expected "
+                           "bits per parameter; -g32: groups of 32); q4_k_m|q5_k_m|q8_0 (llama.cpp's tensor types "
+                           "for that GGUF file type) (default: --dtype; a .gguf target: the file's own types)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_projection_flags(plan)
+
+
+def _add_projection_flags(plan) -> None:
+    group = plan.add_argument_group("projection (with --gpu, --gpu-tflops or --measured-curve)")
+    group.add_argument("--gpu", default=None, metavar="NAME",
+                       help=f"GPU preset: {', '.join(GPU_PRESETS)}; sets the TFLOP/s and memory bandwidth, and the "
+                            "defaults of --gpu-mem (its memory) and --link-gbps (default: none, no projection)")
+    group.add_argument("--gpu-tflops", type=float, default=None,
+                       help="dense bf16 TFLOP/s of the GPU (default: the --gpu preset's)")
+    group.add_argument("--draft-ms", type=float, default=None,
+                       help="draft time per tree-growth round, ms (default: from the draft's size and the GPU's "
+                            "memory bandwidth and TFLOP/s; no --draft: not counted)")
+    group.add_argument("--decode-gbps", type=float, default=None,
+                       help="packed GB/s at which the GPU decodes packed layers (default: a fused kernel at 50%% "
+                            "of the GPU's memory bandwidth)")
+    group.add_argument("--acceptance", default=None, metavar="FILE",
+                       help="tokens per pass by budget: an acceptance-curve file, a `bench spec` or tree-simulation "
+                            "result (default: the shipped curve of the default pair)")
+    group.add_argument("--measured-curve", default=None, metavar="FILE",
+                       help="a GPU device-check result (bench/results/device_check_*.json): its measured pass "
+                            "times, rescaled to this plan's bytes and link, replace the pass model (default: none)")
+
+
+def cmd_plan(args, console) -> int:
+    if args.gpu:
+        gpu_preset(args.gpu)          # an unknown name is one error line before any work
+    plan, weights = build_plan(args)
+    bandwidth, link_source = measured_bandwidth(args, plan)
+    seconds = plan.predicted_transfer_seconds({"ram": bandwidth["ram"], "disk": bandwidth["disk"] or math.inf})
+    projection = build_projection(args, plan, bandwidth)
+    if projection is not None:
+        projection.assumptions[:0] = _edge_assumptions(args, plan, bandwidth, link_source)
+    if args.json:
+        print(json.dumps(_as_json(plan, weights, bandwidth, seconds, projection)))
+        return 0
+    from rich.console import Console
+    console = Console()   # the plan is the command's output: stdout
+    _print_plan(console, plan, weights, bandwidth, seconds)
+    if projection is None:
+        console.print("projection: give --gpu NAME (or --gpu-tflops X, --measured-curve FILE) for the pass time by "
+                      "tree size and the projected tokens per second")
+    else:
+        _print_projection(console, projection)
+    return 0
+
+
+def _edge_assumptions(args, plan: Plan, bandwidth: dict[str, float | None], link_source: str) -> list[str]:
+    budget = "--gpu-mem" if args.gpu_mem else (f"the {args.gpu} preset's memory" if args.gpu else "free memory")
+    lines = [f"device budget: {format_bytes(plan.request.device_budget)} ({budget}); "
+             f"link: {bandwidth['ram'] / 1e9:g} GB/s ({link_source})"]
+    if "disk" in plan.tier_of:
+        lines.append(f"disk: {bandwidth['disk'] / 1e9:g} GB/s, read then copied over the link")
+    return lines
+
+
+def _as_json(plan: Plan, weights: WeightBytes, bandwidth: dict[str, float | None], seconds: float,
+             projection: PlanProjection | None) -> dict:
+    out = {**plan.as_dict(), "device_budget_bytes": plan.request.device_budget, "weights": weights.as_dict(),
+           "bandwidth_gbps": {k: v / 1e9 if v else None for k, v in bandwidth.items()},
+           "predicted_transfer_seconds_per_pass": round(seconds, 4)}
+    if projection is not None:
+        out.update(projection=projection.as_dict(), best_budget=projection.projection.best_budget,
+                   tokens_per_second=projection.projection.tokens_per_second)
+    return out
+
+
+def _print_plan(console, plan: Plan, weights: WeightBytes, bandwidth: dict[str, float | None], seconds: float) -> None:
+    from rich.table import Table
+    table = Table(title=f"plan: {plan.request.config.family}, {plan.request.config.num_layers} layers, "
+                        f"{format_bytes(plan.request.layer_bytes)} per layer")
+    for column in ("component", "tier", "bytes"):
+        table.add_column(column)
+    for item in plan.items:
+        table.add_row(item.component, item.tier, format_bytes(item.num_bytes))
+    console.print(table, soft_wrap=True)
+    disk = f"disk {bandwidth['disk'] / 1e9:.1f} GB/s" if bandwidth["disk"] else "no disk tier"
+    console.print(f"device {format_bytes(plan.bytes_in('device'))} of {format_bytes(plan.request.device_budget)}; "
+                  f"predicted transfer per pass {seconds:.3f} s (link {bandwidth['ram'] / 1e9:.1f} GB/s, {disk})",
+                  highlight=False, soft_wrap=True)
+    types = ", ".join(f"{name} x{count}" for name, count in weights.type_counts)
+    console.print(f"weights {weights.format}: {weights.total_file_bytes / 1e9:.2f} GB as stored (decoder layers "
+                  f"{sum(weights.layer_file_bytes) / 1e9:.2f} GB + globals {weights.global_file_bytes / 1e9:.2f} GB; "
+                  f"{types})", highlight=False, soft_wrap=True)
+
+
+def _print_projection(console, projection: PlanProjection) -> None:
+    from rich.table import Table
+    result = projection.projection
+    table = Table(title="projection: one target pass and one draft tree per step")
+    for column in ("budget", "pass s", "compute s", "draft s", "tokens/pass", "tokens/s"):
+        table.add_column(column, justify="right")
+    for row in result.rows:
+        compute = projection.compute_seconds.get(row.budget)
+        table.add_row(str(row.budget), f"{row.pass_seconds:.3f}", "-" if compute is None else f"{compute:.3f}",
+                      f"{row.draft_seconds:.3f}", f"{row.tokens_per_pass:.2f}", f"{row.tokens_per_second:.2f}")
+    console.print(table, soft_wrap=True)
+    tiers = ", ".join(f"{tier} {seconds:.3f} s" for tier, seconds in projection.transfer_seconds.items())
+    best = result.best
+    console.print(f"best budget {best.budget}: {best.tokens_per_second:.2f} tokens/s ({best.tokens_per_pass:.2f} "
+                  f"tokens per pass / ({best.pass_seconds:.3f} s pass + {best.draft_seconds:.3f} s draft)); "
+                  f"autoregressive {result.autoregressive_tokens_per_second:.3f} tokens/s ({result.speedup:.1f}x); "
+                  f"transfer per pass: {tiers}", highlight=False, soft_wrap=True)
+    console.print("assumptions:")
+    for line in projection.assumptions:
+        console.print(f"  - {line}", highlight=False, soft_wrap=True)
+
+
+COMMANDS = {"plan": cmd_plan}

@@ -1,0 +1,39 @@
+"""Host memory and page-cache helpers shared by the tiers, the bandwidth probes and the benchmarks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+def allocate_host(num_bytes: int, pin: bool) -> Tensor:
+    """[num_bytes] uint8 in host memory; pinned (page-locked) when asked and possible."""
+    if pin:
+        try:
+            return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            pass  # pinning can fail under memory pressure; pageable memory still works
+    return torch.empty(num_bytes, dtype=torch.uint8)
+
+
+def process_read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (/proc/self/io read_bytes; page-cache hits are
+    free); None where the kernel does not report it."""
+    try:
+        for line in Path("/proc/self/io").read_text().split("\n"):
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evicts a file from the OS page cache, so the next reads hit the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,55 @@
+"""The math of one decoder layer (Llama / Mistral / Qwen2 / Qwen3), as pure functions of weights."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from offload.model.config import ModelConfig
+from offload.model.kvcache import KVCache
+from offload.model.rope import apply_rotary
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalises in float32 over the last dim, casts back, then scales (as transformers does)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def linear(x: Tensor, weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] @ weight [out, in]^T; a packed weight object supplies its own matmul."""
+    if isinstance(weight, Tensor):
+        return F.linear(x, weight, bias)
+    out = weight.matmul(x)
+    return out if bias is None else out + bias
+
+
+def decoder_layer(x: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index: int,
+                  cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+    """x [B, N, H] -> [B, N, H]; mask [B, 1, N, cache.length + N] bool (True = may attend)."""
+    x = x + _attention(rms_norm(x, w["input_norm"], config.rms_norm_eps), w, config, layer_index,
+                       cos, sin, mask, cache)
+    h = rms_norm(x, w["post_norm"], config.rms_norm_eps)
+    return x + linear(F.silu(linear(h, w["gate"])) * linear(h, w["up"]), w["down"])
+
+
+def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index: int,
+               cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+    batch, num_new, _ = h.shape
+    q = _heads(linear(h, w["q"], w.get("q_bias")), config.num_heads)      # [B, H, N, D]
+    k = _heads(linear(h, w["k"], w.get("k_bias")), config.num_kv_heads)   # [B, KVH, N, D]
+    v = _heads(linear(h, w["v"], w.get("v_bias")), config.num_kv_heads)
+    if config.has_qk_norm:
+        q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                         enable_gqa=config.num_heads != config.num_kv_heads)
+    return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
+
+
+def _heads(x: Tensor, num_heads: int) -> Tensor:
+    """[B, N, heads * D] -> [B, heads, N, D]."""
+    batch, num_new, _ = x.shape
+    return x.view(batch, num_new, num_heads, -1).transpose(1, 2)

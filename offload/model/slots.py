@@ -1,0 +1,125 @@
+"""A key/value cache with one slot per sequence, for packed passes over many sequences.
+
+One store per layer, [KVH, num_slots x max_length, D]: slot s owns rows [s x max_length, (s + 1) x
+max_length). Per slot the KVCache invariant holds: rows [0, length) are committed tokens in order (row i
+has position i), then the pending ones. A packed pass concatenates the new tokens of several slots
+([1, N] tokens, slot by slot in `begin`'s order); its keys are those slots' filled rows, gathered in the
+same order ([1, KVH, S, D], S = the sum of each slot's committed + pending + new rows), and the caller's
+block mask [N, S] lets each token see only its own slot. The forward reads this cache exactly as it reads
+a KVCache (reserve, num_slots, key_positions, append), so one forward serves one sequence and many.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from offload.model.config import ModelConfig
+from offload.model.kvcache import CacheFullError
+
+
+class SlotCache:
+    def __init__(self, config: ModelConfig, num_seq_slots: int, max_length: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if num_seq_slots <= 0 or max_length <= 0:
+            raise ValueError(f"slot cache needs positive slots and length, got {num_seq_slots}, {max_length}")
+        shape = (config.num_layers, config.num_kv_heads, num_seq_slots * max_length, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)      # [L, KVH, slots x M, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_seq_slots, self.max_length = num_seq_slots, max_length
+        self.lengths = [0] * num_seq_slots                             # committed rows per slot
+        self.pending: list[list[int]] = [[] for _ in range(num_seq_slots)]   # positions of pending rows
+        self._pass: list[tuple[int, int]] = []                         # (slot, new tokens) of the next pass
+        self._write_rows: Tensor | None = None                         # [N] store rows of the pass's tokens
+        self._read_rows: Tensor | None = None                          # [S] store rows the pass attends over
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def num_filled(self, slot: int) -> int:
+        """Committed plus pending rows of `slot`."""
+        return self.lengths[slot] + len(self.pending[slot])
+
+    def begin(self, layout: Sequence[tuple[int, int]]) -> None:
+        """The next pass's layout: (slot, number of new tokens) per sequence, in packed order."""
+        slots = [slot for slot, _ in layout]
+        if len(set(slots)) != len(slots) or any(not 0 <= s < self.num_seq_slots for s in slots):
+            raise ValueError(f"a pass needs distinct slots in [0, {self.num_seq_slots}), got {slots}")
+        self._pass = [(slot, int(count)) for slot, count in layout]
+
+    # --- what DecoderModel.forward reads --------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        """Keys the current pass attends over (all its slots' filled rows, new tokens included)."""
+        return sum(self.num_filled(slot) for slot, _ in self._pass)
+
+    def reserve(self, num_new: int, positions: Tensor, keep_pending: bool = False) -> None:
+        """positions [1, N] of the packed pass `begin` described; each slot's new rows follow its pending
+        ones when `keep_pending`, else replace them."""
+        if num_new != sum(count for _, count in self._pass):
+            raise ValueError(f"pass of {num_new} tokens does not match the layout {self._pass}")
+        flat = positions.reshape(-1).tolist()
+        base = torch.arange(self.max_length)
+        writes, reads, offset = [], [], 0
+        for slot, count in self._pass:
+            if not keep_pending:
+                self.pending[slot] = []
+            start, end = self.num_filled(slot), self.num_filled(slot) + count
+            if end > self.max_length:
+                raise CacheFullError(f"KV cache slot holds {self.max_length} tokens; {end} needed")
+            self.pending[slot].extend(flat[offset:offset + count])
+            writes.append(slot * self.max_length + base[start:end])
+            reads.append(slot * self.max_length + base[:end])
+            offset += count
+        device = self.keys.device
+        self._write_rows = torch.cat(writes).to(device)
+        self._read_rows = torch.cat(reads).to(device)
+
+    def key_positions(self) -> Tensor:
+        """[1, S] the position of every key the pass attends over."""
+        rows = [list(range(self.lengths[slot])) + self.pending[slot] for slot, _ in self._pass]
+        return torch.tensor([sum(rows, [])], device=self.keys.device)
+
+    def append(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """keys/values [1, KVH, N, D] of the reserved pass -> the pass's keys/values [1, KVH, S, D]."""
+        self.keys[layer, :, self._write_rows] = keys[0]
+        self.values[layer, :, self._write_rows] = values[0]
+        return (self.keys[layer].index_select(1, self._read_rows)[None],
+                self.values[layer].index_select(1, self._read_rows)[None])
+
+    # --- per-slot bookkeeping ---------------------------------------------------------------------------
+    def commit(self, slot: int, kept_new_indices: Sequence[int] | Tensor | None = None) -> None:
+        """Keeps the given pending rows of `slot` (indices into its pending rows), compacted in order."""
+        length, num_pending = self.lengths[slot], len(self.pending[slot])
+        if kept_new_indices is None:
+            self.lengths[slot] += num_pending
+            self.pending[slot] = []
+            return
+        kept = torch.as_tensor(kept_new_indices, dtype=torch.long).cpu()
+        if kept.unique().numel() != kept.numel():
+            raise IndexError(f"commit indices must be distinct, got {kept.tolist()}")
+        if kept.numel() and (kept.min() < 0 or kept.max() >= num_pending):
+            raise IndexError(f"commit indices must lie in [0, {num_pending}), got {kept.tolist()}")
+        if not torch.equal(kept, torch.arange(kept.numel())):
+            first = slot * self.max_length + length
+            source = (kept + first).to(self.keys.device)
+            target = slice(first, first + kept.numel())
+            self.keys[:, :, target] = self.keys.index_select(2, source)
+            self.values[:, :, target] = self.values.index_select(2, source)
+        self.lengths[slot] += kept.numel()
+        self.pending[slot] = []
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Drops the slot's committed tokens past `length` (and anything pending); 0 frees the slot."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"truncate length must lie in [0, {self.lengths[slot]}], got {length}")
+        self.lengths[slot] = length
+        self.pending[slot] = []
+
+
+def block_mask(blocks: Sequence[Tensor]) -> Tensor:
+    """Per-sequence masks [n_i, s_i] bool (in packed order) -> the packed pass's mask [sum n, sum s]: each
+    token sees only keys of its own slot, as its own block allows."""
+    return torch.block_diag(*blocks)

@@ -1,0 +1,195 @@
+"""A GGUF file run in place: a WeightSource whose decoder layers are the file's raw GGUF blocks.
+
+The file is memory-mapped, never converted. One layer's tensors are laid out as uint8 slots of one
+packed buffer (each slot as large as that tensor's largest encoding over all layers: a Q4_K_M file mixes
+Q4_K and Q6_K), so the RAM tier holds a layer's blocks as they are in the file and the disk tier reads
+them with one pread per tensor. The ring moves the packed buffer to the compute device, where
+`decode_layer` dequantizes it (gguf_blocks, bit-exact to gguf.quants in float32) into a workspace reused
+by every layer that passes through the same ring slot. Layers the planner keeps on the device are
+decoded once at load (`dense_layer`), the globals too.
+
+llama.cpp stores the q/k rows of llama-family heads with the two rotary halves interleaved; the
+loader's order has them one after the other. A matrix's GGUF blocks run along its rows, so the rows are
+put back in order on the packed bytes (a copy of the small packed rows) before decoding: the same values
+as permuting the decoded rows, as the import does."""
+from __future__ import annotations
+
+import math
+import mmap
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offload.model.config import ModelConfig
+from offload.weights.gguf_blocks import dequantize
+from offload.weights.gguf_header import CorruptGgufError, GgufTensorInfo, read_header
+from offload.weights.gguf_model import check_model_metadata
+from offload.weights.gguf_names import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, PERMUTED_LAYER_NAMES,
+                                        SUPPORTED_GGUF_ARCHITECTURES)
+from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
+from offload.weights.safetensors_io import TensorEntry
+from offload.weights.source import layer_tensor_names
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical layer name -> its torch shape under `config`."""
+    hidden, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    return {"input_norm": (hidden,), "post_norm": (hidden,), "q": (q, hidden), "k": (kv, hidden),
+            "v": (kv, hidden), "o": (hidden, q), "gate": (inter, hidden), "up": (inter, hidden),
+            "down": (hidden, inter), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+            "q_norm": (config.head_dim,), "k_norm": (config.head_dim,)}
+
+
+class GgufSource:
+    """The WeightSource of one GGUF file (see the module docstring); every check runs at open."""
+
+    def __init__(self, path: str | Path, config: ModelConfig) -> None:
+        self.path, self.config = Path(path), config
+        header = read_header(self.path)
+        arch = check_model_metadata(header)
+        self._tensors = header.tensors
+        permuted = SUPPORTED_GGUF_ARCHITECTURES[arch]
+        self._heads = {"heads": config.num_heads, "kv_heads": config.num_kv_heads} if permuted else {}
+        self._layers = [self._layer_infos(i) for i in range(config.num_layers)]
+        self._globals = self._global_infos()
+        self._layout = self._packed_layout()
+        with open(self.path, "rb") as handle:   # copy-on-write: tensors are views, the file is never written
+            self._map = mmap.mmap(handle.fileno(), header.file_size, access=mmap.ACCESS_COPY)
+        self._workspaces: dict[tuple[int, torch.dtype], dict[str, Tensor]] = {}
+
+    def _info(self, gguf_name: str, shape: tuple[int, ...] | None) -> GgufTensorInfo:
+        info = self._tensors.get(gguf_name)
+        if info is None:
+            raise CorruptGgufError(f"{self.path}: tensor {gguf_name!r} is missing")
+        if shape is not None and info.shape != shape:
+            raise CorruptGgufError(f"{self.path}: tensor {gguf_name!r} has shape {list(info.shape)}; the metadata "
+                                   f"implies {list(shape)}")
+        return info
+
+    def _layer_infos(self, index: int) -> dict[str, GgufTensorInfo]:
+        shapes = expected_shapes(self.config)
+        infos = {name: self._info(f"blk.{index}.{GGUF_LAYER_NAMES[name]}", shapes[name])
+                 for name in layer_tensor_names(self.config)}
+        for name, info in infos.items():
+            heads = self._num_heads(name)
+            if heads and info.shape[0] % (2 * heads):
+                raise CorruptGgufError(f"{self.path}: tensor {info.name!r}: {info.shape[0]} rows do not split into "
+                                       f"{heads} rotary heads")
+        return infos
+
+    def _global_infos(self) -> dict[str, GgufTensorInfo]:
+        names = ["embed", "norm"] + ([] if self.config.tie_word_embeddings else ["lm_head"])
+        infos = {name: self._info(GGUF_GLOBAL_NAMES[name], None) for name in names}
+        for name, info in infos.items():
+            if info.shape[-1] != self.config.hidden_size:
+                raise CorruptGgufError(f"{self.path}: tensor {info.name!r} has shape {list(info.shape)}; the metadata "
+                                       f"implies a last dimension of {self.config.hidden_size}")
+        return infos
+
+    def _num_heads(self, name: str) -> int:
+        kind = PERMUTED_LAYER_NAMES.get(name)
+        return self._heads.get(kind, 0) if kind else 0
+
+    def _packed_layout(self) -> LayerLayout:
+        slots, offset = [], 0
+        for name in layer_tensor_names(self.config):
+            size = max(layer[name].num_bytes for layer in self._layers)
+            slots.append(TensorSlot(name, torch.uint8, (size,), offset))
+            offset += -(-size // ALIGNMENT) * ALIGNMENT
+        return LayerLayout(tuple(slots), offset)
+
+    def _raw(self, info: GgufTensorInfo) -> Tensor:
+        """[num_bytes] uint8, a view into the mapped file."""
+        return torch.frombuffer(memoryview(self._map)[info.start:info.start + info.num_bytes], dtype=torch.uint8)
+
+    # WeightSource ---------------------------------------------------------------------------------
+    def global_tensors(self) -> dict[str, Tensor]:
+        """Decoded once, in the dtype the import would store (fp32 up to 1B parameters, else bf16)."""
+        dtype = torch.bfloat16 if self.config.torch_dtype == "bfloat16" else torch.float32
+        return {name: dequantize(self._raw(info), info.qtype, info.shape, dtype) for name, info in self._globals.items()}
+
+    def layer(self, index: int) -> dict[str, Tensor]:
+        """A layer's raw blocks, views into the mapped file (the RAM tier packs them)."""
+        return {name: self._raw(info) for name, info in self._layers[index].items()}
+
+    def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]:
+        return {name: (self.path, TensorEntry(info.name, torch.uint8, (info.num_bytes,), info.start,
+                                              info.start + info.num_bytes))
+                for name, info in self._layers[index].items()}
+
+    def layout(self, dtype: torch.dtype) -> LayerLayout:
+        return self._layout
+
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+        """A ring slot's packed layer -> dense tensors in `dtype`, written into that slot's workspace (valid
+        until the slot holds its next layer, which the ring never loads before this one is released)."""
+        first = next(iter(stored.values()))
+        workspace = self._workspaces.get((first.data_ptr(), dtype))
+        if workspace is None:
+            workspace = self._workspaces[(first.data_ptr(), dtype)] = self._empty_layer(first.device, dtype)
+        return self._decode(index, stored, workspace)
+
+    def file_paths(self) -> list[Path]:
+        return [self.path]
+
+    # decoding -------------------------------------------------------------------------------------
+    def dense_layer(self, index: int, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+        """A layer decoded into fresh tensors on `device` (resident layers, quantization)."""
+        raw = {name: t.to(device) for name, t in self.layer(index).items()}
+        return self._decode(index, raw, self._empty_layer(device, dtype))
+
+    def dense_layer_bytes(self, dtype: torch.dtype) -> int:
+        """One layer decoded in `dtype`: a resident layer's bytes, and a ring slot's workspace."""
+        return sum(math.prod(info.shape) for info in self._layers[0].values()) * dtype.itemsize
+
+    def _empty_layer(self, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+        return {name: torch.empty(info.shape, dtype=dtype, device=device) for name, info in self._layers[0].items()}
+
+    def _decode(self, index: int, stored: dict[str, Tensor], out: dict[str, Tensor]) -> dict[str, Tensor]:
+        for name, info in self._layers[index].items():
+            raw, heads = stored[name][:info.num_bytes], self._num_heads(name)
+            if heads and len(info.shape) == 2:
+                raw = unpermute_rows(raw, info.shape[0], heads)
+            dequantize(raw, info.qtype, info.shape, out[name].dtype, out=out[name])
+            if heads and len(info.shape) == 1:
+                out[name].copy_(unpermute_rows(out[name].clone(), info.shape[0], heads))
+        return dict(out)
+
+    def type_counts(self) -> Counter:
+        """GGML type name -> how many of the tensors this source reads have it."""
+        infos = [*self._globals.values(), *(info for layer in self._layers for info in layer.values())]
+        return Counter(info.type_name for info in infos)
+
+    def describe(self) -> str:
+        counts = ", ".join(f"{name} x{count}" for name, count in self.type_counts().most_common())
+        return f"GGUF in place: {counts} ({self.path.name})"
+
+    def packed_bytes(self) -> int:
+        """Bytes of all decoder layers as stored (what one pass streams when every layer streams)."""
+        return sum(info.num_bytes for layer in self._layers for info in layer.values())
+
+
+class DenseGgufLayers:
+    """A GgufSource read as dense fp32 tensors on the CPU, one layer at a time (the quantizer's view)."""
+
+    def __init__(self, source: GgufSource) -> None:
+        self.source, self.config = source, source.config
+
+    def global_tensors(self) -> dict[str, Tensor]:
+        return self.source.global_tensors()
+
+    def layer(self, index: int) -> dict[str, Tensor]:
+        return self.source.dense_layer(index, torch.device("cpu"), torch.float32)
+
+    def file_paths(self) -> list[Path]:
+        return self.source.file_paths()
+
+
+def unpermute_rows(values: Tensor, num_rows: int, num_heads: int) -> Tensor:
+    """[num_rows * row_size] (bytes or values) in llama.cpp's q/k row order -> a contiguous copy in the
+    loader's: within a head, rows [D/2, 2] (rotary pairs interleaved) become [2, D/2] (halves apart)."""
+    half = num_rows // num_heads // 2
+    return values.view(num_heads, half, 2, -1).transpose(1, 2).reshape(-1)

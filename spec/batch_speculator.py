@@ -1,0 +1,156 @@
+"""The draft side of batched speculation: one resident draft, a slot of its KV cache per sequence.
+
+Per slot the Speculator's invariant holds: the draft's committed tokens are a prefix of that sequence's
+target-committed tokens, nothing pending between steps. A step catches every sequence up to its root in
+packed passes, then grows all trees in lockstep: each growth round is one draft forward over every
+tree's chosen nodes (`Growth` decides each tree's nodes exactly as the single-sequence grower does).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offload.model.masks import causal_mask
+from offload.model.slots import SlotCache, block_mask
+from .draft import Draft
+from .grow import HOST, Growth, GrowthConfig, expansion_mask
+from .lookup import ContextLookup
+from .penalties import Penalties
+from .tree import Tree, path_tokens
+
+
+@dataclass(slots=True)
+class Proposal:
+    """What one sequence asks of a step: a tree rooted at `root` after its committed ids."""
+    slot: int
+    committed_ids: list[int]
+    root: int
+    growth: GrowthConfig
+    penalties: Penalties | None = None
+
+
+class BatchSpeculator:
+    def __init__(self, draft: Draft, max_slots: int, max_context: int, max_budget: int,
+                 max_pass_tokens: int = 512) -> None:
+        self.draft, self.max_pass_tokens = draft, max_pass_tokens
+        model = draft.model
+        # Per slot: the committed sequence plus every node a tree of max_budget expands (as Speculator).
+        self.cache = SlotCache(model.config, max_slots, max_context + 2 * max_budget + 256, model.device, model.dtype)
+        self.cached_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self.lookups = [self._new_lookup() for _ in range(max_slots)]
+        self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row
+        self.forward_seconds = 0.0                        # draft compute of the last propose
+        self.num_draft_forwards = 0
+
+    def _new_lookup(self) -> ContextLookup | None:
+        return ContextLookup(self.draft.vocab_map) if self.draft.is_trimmed else None
+
+    def release(self, slot: int) -> None:
+        """The slot's sequence left the batch: the next one starts from an empty slot."""
+        self.cache.truncate(slot, 0)
+        self.cached_ids[slot] = []
+        self.lookups[slot] = self._new_lookup()
+
+    def propose(self, proposals: list[Proposal]) -> list[tuple[Tree, Tensor]]:
+        """Each proposal's tree (root at position len(committed_ids)) and [N] draft slot rows per node."""
+        start = time.perf_counter()
+        root_logprobs = self._catch_up(proposals)
+        growths = []
+        for proposal, logprobs in zip(proposals, root_logprobs):
+            lookup = self.lookups[proposal.slot]
+            if lookup is not None:
+                lookup.sync(proposal.committed_ids + [proposal.root])
+            before_root = proposal.committed_ids[-1] if proposal.committed_ids else None
+            growths.append(Growth(proposal.root, logprobs, proposal.growth, self.vocab_map, lookup, before_root))
+        while True:
+            rounds = []
+            for proposal, growth in zip(proposals, growths):
+                room = self.cache.max_length - self.cache.num_filled(proposal.slot)
+                chosen = growth.next_round(room)
+                if chosen.numel():
+                    rounds.append((proposal, growth, chosen))
+            if not rounds:
+                break
+            self._expand(rounds)
+        self.draft.model.synchronize()
+        self.forward_seconds = time.perf_counter() - start
+        return [growth.result() for growth in growths]
+
+    def accept(self, slot: int, tree: Tree, draft_rows: Tensor, path: list[int]) -> None:
+        """Commits the draft's keys of the accepted non-root nodes it expanded (a prefix of the path)."""
+        nodes = [node for node in path[1:] if int(draft_rows[node]) >= 0]
+        self.cache.commit(slot, [int(draft_rows[node]) - self.cache.lengths[slot] for node in nodes])
+        self.cached_ids[slot].extend(tree.tokens[nodes].tolist())
+
+    def _expand(self, rounds: list[tuple[Proposal, Growth, Tensor]]) -> None:
+        """One packed draft forward over every tree's chosen nodes."""
+        device = self.draft.model.device
+        layout, tokens, positions, blocks, firsts = [], [], [], [], []
+        for proposal, growth, chosen in rounds:
+            pool, slot = growth.pool, proposal.slot
+            firsts.append(self.cache.num_filled(slot))
+            layout.append((slot, chosen.numel()))
+            tokens.append(pool.tokens[chosen])
+            positions.append(len(proposal.committed_ids) + pool.depths[chosen])
+            blocks.append(expansion_mask(pool, chosen, self.cache.lengths[slot], firsts[-1], device))
+        self.cache.begin(layout)
+        logits = self.draft.logits(torch.cat(tokens)[None], self.cache, torch.cat(positions)[None],
+                                   block_mask(blocks), keep_pending=True)                      # [N, K]
+        self.num_draft_forwards += 1
+        offset = 0
+        for (proposal, growth, chosen), first in zip(rounds, firsts):
+            rows = logits[offset:offset + chosen.numel()]
+            offset += chosen.numel()
+            paths = path_tokens(growth.pool.tokens, growth.pool.parents, chosen) if proposal.penalties else None
+            growth.expanded(chosen, self.draft.to_log_probs(rows, proposal.penalties, paths), first)
+
+    def _catch_up(self, proposals: list[Proposal]) -> list[Tensor]:
+        """Brings each slot's committed draft cache to committed_ids + [root] in packed passes of at most
+        max_pass_tokens -> per proposal [K] draft log-probabilities after its root, under its penalties."""
+        rests = []
+        for proposal in proposals:
+            sequence = proposal.committed_ids + [proposal.root]
+            cached, common = self.cached_ids[proposal.slot], 0
+            for seen, wanted in zip(cached, sequence):
+                if seen != wanted:
+                    break
+                common += 1
+            common = min(common, len(sequence) - 1)     # the root is fed again for its log-probs
+            self.cache.truncate(proposal.slot, common)
+            del cached[common:]
+            rests.append(sequence[common:])
+        results: list[Tensor | None] = [None] * len(proposals)
+        while any(rests):
+            self._catch_up_pass(proposals, rests, results)
+        return results
+
+    def _catch_up_pass(self, proposals: list[Proposal], rests: list[list[int]], results: list) -> None:
+        room, chunks = self.max_pass_tokens, []
+        for index, rest in enumerate(rests):
+            if rest and room > 0:
+                chunks.append((index, rest[:room]))
+                room -= len(chunks[-1][1])
+        layout, blocks, positions, rows, offset = [], [], [], [], 0
+        for index, chunk in chunks:
+            slot = proposals[index].slot
+            length = self.cache.lengths[slot]
+            layout.append((slot, len(chunk)))
+            blocks.append(causal_mask(length, len(chunk), HOST))
+            positions.append(torch.arange(length, length + len(chunk)))
+            offset += len(chunk)
+            rows.append(offset - 1)
+        self.cache.begin(layout)
+        tokens = torch.tensor([sum((chunk for _, chunk in chunks), [])])
+        logits = self.draft.logits(tokens, self.cache, torch.cat(positions)[None], block_mask(blocks),
+                                   rows=torch.tensor(rows))                                   # [R, K]
+        for row, (index, chunk) in enumerate(chunks):
+            proposal = proposals[index]
+            self.cache.commit(proposal.slot)
+            self.cached_ids[proposal.slot].extend(chunk)
+            rests[index] = rests[index][len(chunk):]
+            if not rests[index]:
+                root_path = torch.tensor([[proposal.root]])
+                results[index] = self.draft.to_log_probs(logits[row:row + 1], proposal.penalties, root_path)[-1]

@@ -1,0 +1,52 @@
+"""Tokens per pass of greedy tree speculation at any budget, from draft work alone.
+
+Greedy verification accepts exactly the longest root path of the tree that follows the target's own
+greedy continuation, then adds the target's next token. So once the target's greedy answers are known
+(decoded once, one token per pass), every budget's tokens per pass follows from growing the same trees
+with the real growth code and matching them against those answers: no target pass over the tree."""
+from __future__ import annotations
+
+import torch
+
+from .decoding import DecodeConfig, Decoder
+from .draft import Draft
+from .sampling import SamplingConfig
+from .speculator import Speculator
+from .tree import Tree
+from .verify import accepted_path
+
+
+def greedy_answers(decoder: Decoder, prompts: list[list[int]]) -> list[list[int]]:
+    """The target's greedy answers, one token per pass (the reference speculation must reproduce)."""
+    answers = []
+    for prompt_ids in prompts:
+        decoder.reset()
+        answers.append(decoder.generate(prompt_ids, SamplingConfig()).token_ids)
+    return answers
+
+
+def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int, max_new_tokens: int,
+             max_context: int = 4096) -> int:
+    """-> the number of target passes greedy speculation at `budget` takes to emit `answer` (its first
+    token comes from the prefill, as in Decoder; every later pass yields its accepted path and the
+    target's next token, cut where the answer ends)."""
+    speculator = Speculator(draft, max_context, budget)
+    committed, position, passes = list(prompt_ids), 0, 0       # answer[position] is the root
+    while position < len(answer) - 1:
+        growth = DecodeConfig(max_new_tokens).growth(budget, max_new_tokens - (position + 1))
+        tree, slots = speculator.propose(committed, answer[position], growth)   # the growth Decoder uses
+        path = _followed_path(tree, answer, position)
+        speculator.accept(tree, slots, path)
+        committed += [answer[position + i] for i in range(len(path))]
+        position += len(path)            # the accepted nodes and the target's token after them
+        passes += 1
+    return passes
+
+
+def _followed_path(tree: Tree, answer: list[int], position: int) -> list[int]:
+    """The path verification accepts when the target's choice after each node is the answer's next token:
+    a node at depth d is right when it holds answer[position + d]."""
+    depths = tree.depths.tolist()
+    right = [d == 0 or (position + d < len(answer) and token == answer[position + d])
+             for d, token in zip(depths, tree.tokens.tolist())]
+    return accepted_path(tree, torch.tensor(right))

@@ -1,0 +1,197 @@
+"""Batched decoding on tiny random pairs: every sequence's answer in a packed batch is token for token its
+answer alone (Decoder, one sequence), with and without trees, for ragged prompts, early finishers, joiners
+(more prompts than slots), chunked prefills, stop conditions, penalties and seeded sampling."""
+import pytest
+import torch
+
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint, perturbed_copy
+from offload import LoadOptions, load_model
+from offload.model.masks import causal_mask
+from offload.model.slots import SlotCache, block_mask
+from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, load_any_draft
+from spec.batch_speculator import BatchSpeculator
+from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, FixedTree
+
+VOCAB = 48
+CONTEXT = 160
+PASS = 64
+PROMPTS = [[3, 9, 27, 5], [11, 2, 40, 40, 7, 1, 19], [6], list(range(2, 40)), [5, 5, 5]]
+MAX_NEW = [20, 7, 30, 12, 25]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batched")
+    folder, _ = make_tiny_checkpoint(root / "target", "llama", seed=1, vocab_size=VOCAB, num_hidden_layers=3)
+    add_tiny_tokenizer(folder, VOCAB)
+    draft_folder = perturbed_copy(folder, root / "draft", 0.15, 1)
+    target = load_model(LoadOptions(str(folder), device="cpu", dtype="fp32", max_context=CONTEXT,
+                                    max_pass_tokens=PASS))
+    draft = load_any_draft(str(draft_folder), target, LoadOptions(device="cpu", dtype="fp32", max_context=CONTEXT))
+    return target, draft
+
+
+def alone(pair, prompt, max_new, budget=1, sampling=None, stop=None, stop_ids=None):
+    target, draft = pair
+    speculator = Speculator(draft, CONTEXT, budget, PASS) if budget > 1 else None
+    decoder = Decoder(target.model, target.stop_ids if stop_ids is None else stop_ids,
+                      DecodeConfig(max_new, CONTEXT, PASS), speculator, FixedBudget(budget))
+    return decoder.generate(prompt, sampling or SamplingConfig(), stop=stop)
+
+
+def batched(pair, requests, slots, budget=1, max_pass_tokens=PASS, stop_ids=None, shared=FixedTree):
+    target, draft = pair
+    speculator = BatchSpeculator(draft, slots, CONTEXT, max(budget, 1), max_pass_tokens) if budget > 1 else None
+    decoder = BatchDecoder(target.model, target.stop_ids if stop_ids is None else stop_ids,
+                           BatchConfig(slots, CONTEXT, max_pass_tokens), speculator, shared(budget))
+    results, order = {}, []
+
+    def on_finish(request, result, error):
+        results[request.tag] = result if result is not None else error
+        order.append(request.tag)
+
+    decoder.run(requests, on_finish)
+    return [results[i] for i in range(len(requests))], order, decoder
+
+
+def requests(sampling=None, stop=None, max_new=MAX_NEW, prompts=PROMPTS):
+    samplings = sampling if isinstance(sampling, list) else [sampling or SamplingConfig()] * len(prompts)
+    return [BatchRequest(p, s, m, stop, tag=i) for i, (p, m, s) in enumerate(zip(prompts, max_new, samplings))]
+
+
+def test_a_packed_pass_over_two_slots_gives_each_sequence_its_own_logits(pair):
+    """The forward over a SlotCache (block mask, per-slot positions) against one KVCache pass per sequence."""
+    model = pair[0].model
+    first, second = [3, 9, 27, 5, 8], [11, 2, 40]
+    cache = SlotCache(model.config, 3, CONTEXT, model.device, model.dtype)
+    cache.begin([(2, len(first)), (0, len(second))])
+    tokens = torch.tensor([first + second])
+    positions = torch.cat((torch.arange(len(first)), torch.arange(len(second))))[None]
+    mask = block_mask([causal_mask(0, len(first), model.device), causal_mask(0, len(second), model.device)])
+    packed = model.forward(tokens, cache, positions, mask).logits[0]
+    for ids, rows in ((first, slice(0, 5)), (second, slice(5, 8))):
+        alone_logits = model.forward(torch.tensor([ids]), model.new_cache(CONTEXT)).logits[0]
+        torch.testing.assert_close(packed[rows], alone_logits, rtol=1e-5, atol=1e-5)
+    cache.commit(2)
+    cache.commit(0, [0, 2])                  # keeps tokens 11 and 40 of the second sequence
+    assert cache.lengths == [2, 0, 5] and cache.pending == [[], [], []]
+
+
+@pytest.mark.parametrize("budget", [1, 8])
+@pytest.mark.parametrize("slots", [1, 2, 3, 5])
+def test_greedy_answers_in_a_batch_equal_their_answers_alone(pair, budget, slots):
+    reference = [alone(pair, p, m, budget) for p, m in zip(PROMPTS, MAX_NEW)]
+    results, order, decoder = batched(pair, requests(), slots, budget)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert [r.stats.stop_reason for r in results] == [r.stats.stop_reason for r in reference]
+    if slots > 1:
+        assert order != list(range(len(PROMPTS)))          # short answers finish first and leave
+        assert decoder.num_passes < sum(MAX_NEW)           # passes are shared
+
+
+@pytest.mark.parametrize("budget", [1, 6])
+def test_stop_tokens_end_each_sequence_where_it_ends_alone(pair, budget):
+    free = alone(pair, PROMPTS[0], 30, stop_ids=set()).token_ids
+    stop_ids = {free[5], free[11]}
+    reference = [alone(pair, p, 30, stop_ids=stop_ids) for p in PROMPTS]
+    results, _, _ = batched(pair, requests(max_new=[30] * 5), 3, budget, stop_ids=stop_ids)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert [r.stats.stop_reason for r in results] == [r.stats.stop_reason for r in reference]
+    assert "eos" in [r.stats.stop_reason for r in results]
+
+
+class EndsAfter:
+    """A StopCondition that holds once the answer ends with `tail` (as a stop string's text would)."""
+
+    def __init__(self, tail: list[int]) -> None:
+        self.tail = tail
+
+    def reached(self, answer_ids: list[int]) -> bool:
+        return answer_ids[-len(self.tail):] == self.tail
+
+
+def test_stop_conditions_and_penalties_act_per_sequence(pair):
+    free = alone(pair, PROMPTS[1], 30, stop_ids=set()).token_ids
+    stop = EndsAfter(free[3:5])
+    samplings = [SamplingConfig(repetition_penalty=1.5), SamplingConfig(), SamplingConfig(presence_penalty=1.0),
+                 SamplingConfig(frequency_penalty=0.5, repetition_penalty=1.2), SamplingConfig()]
+    items = requests(samplings)
+    items[1].stop = stop
+    reference = [alone(pair, r.prompt_ids, r.max_new_tokens, 8, r.sampling, r.stop).token_ids for r in items]
+    results, _, _ = batched(pair, items, 3, 8)
+    assert [r.token_ids for r in results] == reference
+    assert results[1].stats.stop_reason == "stop_string"
+
+
+@pytest.mark.parametrize("budget", [1, 4])
+def test_seeded_sampling_does_not_depend_on_the_batch(pair, budget):
+    """Each sequence draws from its own generator seeded by its request, as Decoder does alone; with a fixed
+    tree size per sequence the trees, hence the draws, are the same whatever the neighbours."""
+    samplings = [SamplingConfig(temperature=0.9, top_p=0.95, seed=seed) for seed in (1, 2, 3, 4, 5)]
+    reference = [alone(pair, p, m, budget, s).token_ids for p, m, s in zip(PROMPTS, MAX_NEW, samplings)]
+    for slots in (1, 4):
+        results, _, _ = batched(pair, requests(samplings), slots, budget)
+        assert [r.token_ids for r in results] == reference, slots
+
+
+def test_long_prompts_prefill_in_chunks_alongside_decoding(pair):
+    """A pass of 12 tokens: a 38-token prompt joins over several passes while the others decode."""
+    reference = [alone(pair, p, m, 4).token_ids for p, m in zip(PROMPTS, MAX_NEW)]
+    results, _, decoder = batched(pair, requests(), 3, 4, max_pass_tokens=12, shared=FixedShare)
+    assert [r.token_ids for r in results] == reference
+    assert decoder.speculator.cache.num_seq_slots == 3
+
+
+def test_a_request_that_cannot_run_gets_an_error_and_the_rest_go_on(pair):
+    items = requests()
+    items[2].prompt_ids = []
+    results, _, _ = batched(pair, items, 2)
+    assert results[2] == "the prompt is empty"
+    assert results[0].token_ids == alone(pair, PROMPTS[0], MAX_NEW[0]).token_ids
+
+
+def test_the_planner_sizes_kv_slots_and_refuses_a_batch_that_does_not_fit():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from offload.model.config import ModelConfig
+    from offload.planner import GIB, PlanError, kv_cache_bytes, largest_batch, make_plan, request_from_config
+    config = ModelConfig.from_file(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-70b")
+    request = request_from_config(config, 2, 24 * GIB, 64 * GIB, max_context=4096, max_tree=512)
+    one = make_plan(request)
+    largest = largest_batch(request)
+    assert 1 < largest < 1024
+    many = make_plan(replace(request, num_sequences=largest))
+    kv = next(i for i in many.items if i.component.startswith("KV cache"))
+    assert kv.num_bytes == kv_cache_bytes(config, largest * 4096, 2)
+    assert many.tier_of.count("device") < one.tier_of.count("device")     # slots take resident layers' room
+    with pytest.raises(PlanError, match=f"the largest that fits is {largest} ") as error:
+        make_plan(replace(request, num_sequences=largest + 1))
+    assert "\n" not in str(error.value)
+
+
+def test_run_batch_writes_each_line_as_its_request_ends_and_resumes(tmp_path):
+    import json
+
+    from runtime.batch import run_batch
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join([json.dumps({"id": str(i), "prompt": "x" * (5 - i)}) for i in range(4)]
+                                + ['{"custom_id": "e", "url": "/v1/embeddings", "body": {"messages": '
+                                   '[{"role": "user", "content": "q"}]}}', "garbage"]) + "\n")
+    calls = []
+
+    def generate_many(jobs, on_done):          # short prompts finish first; one request fails
+        calls.append([item.id for item, _, _ in jobs])
+        for item, sampling, max_tokens in sorted(jobs, key=lambda job: len(job[0].messages[0]["content"])):
+            on_done(item, "too long" if item.id == "0" else
+                    ("ok", {"num_prompt_tokens": 1, "num_new_tokens": max_tokens, "stop_reason": "length"}))
+            if item.id == "2":
+                raise KeyboardInterrupt            # kill mid-batch: lines written so far stay
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(source, out, None, SamplingConfig(), 8, "m", generate_many=generate_many)
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == ["e", "3", "2"]
+    summary = run_batch(source, out, None, SamplingConfig(), 8, "m", generate_many=generate_many)
+    assert calls[-1] == ["0", "1"] and summary.num_done_before == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in rows] == ["e", "3", "2", "1", "0"]
+    assert rows[-1]["error"]["message"] == "too long" and summary.num_failed == 1

@@ -1,0 +1,273 @@
+"""GGUF files run in place (offload/weights/gguf_source.py), against independent references: the embedded
+default model against its dequantizing import (same fp32 weights, logits and greedy tokens), and a tiny
+synthetic K-quant GGUF, streamed through the RAM and disk tiers, against gguf.quants.dequantize with
+transformers' own q/k row permutation. Plus damaged files, refused before anything runs."""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from offload import LoadOptions, load_model
+from offload.loader import build_engine, streaming_device_budget
+from offload.model.config import ModelConfig
+from offload.weights.formats import open_source
+from offload.weights.gguf_blocks import random_blocks
+from offload.weights.gguf_header import CorruptGgufError
+from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from offload.weights.gguf_source import GgufSource
+from offload.weights.resolve import resolve_model
+from offload.weights.safetensors_io import write_safetensors
+from offload.weights.source import CheckpointSource, HF_GLOBAL_NAMES, HF_LAYER_NAMES
+from spec import DecodeConfig, Decoder, SamplingConfig
+from test_gguf_import import _tokenizer, reference_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+HIDDEN, FF, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 3
+# every K-quant block type the tiny model's matrices cycle through, and the globals' types
+MATRIX_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0]
+
+
+def _layer_shapes() -> dict[str, tuple[int, ...]]:
+    head_dim = HIDDEN // HEADS
+    q, kv = HEADS * head_dim, KV_HEADS * head_dim
+    return {"q": (q, HIDDEN), "k": (kv, HIDDEN), "v": (kv, HIDDEN), "o": (HIDDEN, q), "gate": (FF, HIDDEN),
+            "up": (FF, HIDDEN), "down": (HIDDEN, FF), "input_norm": (HIDDEN,), "post_norm": (HIDDEN,)}
+
+
+def _blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """[rows, row bytes] uint8 blocks (GGUFWriter reads the logical shape back from them)."""
+    data = random_blocks(qtype, shape, rng)
+    return data.reshape(shape[0], -1) if len(shape) > 1 else data
+
+
+def write_tiny_gguf(path: Path, *, heads: int = HEADS, kv_heads: int = KV_HEADS, block_count: int = LAYERS,
+                    types: dict[str, Q] | None = None, seed: int = 0) -> Path:
+    """A tiny llama GGUF of random blocks, LAYERS layers of HEADS heads whatever the metadata says (`heads`,
+    `kv_heads`, `block_count`). `types` overrides a tensor's type (GGUF name -> type)."""
+    tokens, token_types, merges = _tokenizer()
+    rng, types = np.random.default_rng(seed), types or {}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(writer.add_block_count, block_count), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FF),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
+                       (writer.add_rope_dimension_count, HIDDEN // HEADS), (writer.add_vocab_size, len(tokens))]:
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    tensors = {GGUF_GLOBAL_NAMES["embed"]: ((len(tokens), HIDDEN), Q.Q8_0),
+               GGUF_GLOBAL_NAMES["norm"]: ((HIDDEN,), Q.F32), GGUF_GLOBAL_NAMES["lm_head"]: ((len(tokens), HIDDEN), Q.Q6_K)}
+    for i in range(LAYERS):
+        for j, (name, shape) in enumerate(_layer_shapes().items()):
+            qtype = Q.F32 if len(shape) == 1 else MATRIX_TYPES[(i + j) % len(MATRIX_TYPES)]
+            tensors[f"blk.{i}.{GGUF_LAYER_NAMES[name]}"] = (shape, qtype)
+    for name, (shape, qtype) in tensors.items():
+        qtype = types.get(name, qtype)
+        data = _blocks(qtype, shape, rng) if qtype != Q.Q2_K else rng.integers(0, 256, (shape[0], shape[1] // 256 * 84),
+                                                                               dtype=np.uint8)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECSTREAM_CACHE", str(folder / "cache"))
+        path = write_tiny_gguf(folder / "tiny.gguf")
+        resolve_model(str(path))   # the config + tokenizer folder, written once for the module
+    return path
+
+
+def _options(model: str, **kwargs) -> LoadOptions:
+    return LoadOptions(model, device="cpu", dtype="fp32", max_context=64, max_pass_tokens=16, **kwargs)
+
+
+def _hf_name(canonical: str, index: int | None) -> str:
+    return HF_GLOBAL_NAMES[canonical] if index is None else f"model.layers.{index}.{HF_LAYER_NAMES[canonical]}"
+
+
+# the embedded default model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_pair():
+    """(in place, imported) loads of the embedded default model."""
+    return load_model(LoadOptions(device="cpu", dtype="fp32")), load_model(LoadOptions(device="cpu", dtype="fp32",
+                                                                                      gguf_import=True))
+
+
+@pytest.mark.e2e
+def test_default_model_in_place_equals_its_import(default_pair):
+    in_place, imported = default_pair
+    assert isinstance(in_place.source, GgufSource) and isinstance(imported.source, CheckpointSource)
+    assert not list(in_place.path.glob("*.safetensors"))    # no weights copied
+    assert in_place.config == imported.config and in_place.stop_ids == imported.stop_ids
+    expected = imported.source.global_tensors()
+    for name, tensor in in_place.source.global_tensors().items():
+        assert torch.equal(tensor, expected[name]), name
+    for index in range(in_place.config.num_layers):
+        expected = imported.source.layer(index)
+        for name, tensor in in_place.layers.get(index).items():   # resident: decoded once at load
+            assert torch.equal(tensor, expected[name]), (index, name)
+    ids = in_place.tokenizer.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+    logits = [m.model.forward(torch.tensor([ids]), m.model.new_cache(64)).logits for m in default_pair]
+    assert torch.equal(logits[0], logits[1])
+    answers = [Decoder(m.model, m.stop_ids, DecodeConfig(16, 256)).generate(ids, SamplingConfig()).token_ids
+               for m in default_pair]
+    assert answers[0] == answers[1]
+    assert in_place.tokenizer.decode(answers[0]).startswith("The answer to this classic math problem")
+
+
+def test_default_model_streams_a_third_of_the_imported_bytes(default_pair):
+    in_place, imported = default_pair
+    packed = in_place.source.packed_bytes()
+    dense = imported.config.num_layers * imported.config.layer_param_count * 4
+    assert packed < dense / 5      # Q4_1 (5 bits per weight plus fp32 norms) against fp32
+
+
+# a tiny synthetic K-quant file -------------------------------------------------------------------
+def test_tiny_gguf_decodes_to_the_gguf_reference(tiny, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tiny.parent / "cache"))
+    folder = resolve_model(str(tiny))
+    source = open_source(folder, ModelConfig.from_file(folder))
+    expected = reference_tensors(tiny)            # gguf.quants + transformers' reverse permutation
+    assert set(source.type_counts()) == {"Q4_K", "Q6_K", "Q8_0", "F32"}
+    for name, tensor in source.global_tensors().items():
+        assert torch.equal(tensor, expected[_hf_name(name, None)]), name
+    for index in range(LAYERS):
+        for name, tensor in source.dense_layer(index, CPU, torch.float32).items():
+            assert torch.equal(tensor, expected[_hf_name(name, index)]), (index, name)
+
+
+def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tiny.parent / "cache"))
+    folder = resolve_model(str(tiny))
+    reference = tmp_path / "reference"      # the reference blocks' dense decode, as a plain checkpoint
+    reference.mkdir()
+    (reference / "config.json").write_text((folder / "config.json").read_text())
+    write_safetensors(reference / "model.safetensors", reference_tensors(tiny))
+    dense = build_engine(CheckpointSource(reference), _options(str(reference)))
+    layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
+    options = _options(str(tiny), ram=layer_bytes)    # one layer in RAM, the others read from disk
+    streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
+    assert streamed.plan.tier_of == ["ram", "disk", "disk"]
+    ids = torch.randint(0, streamed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):   # the second pass reuses every ring slot's workspace
+        got = streamed.model.forward(ids, streamed.model.new_cache(16)).logits
+        expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
+        assert torch.isfinite(expected).all() and torch.equal(got, expected)
+    assert streamed.layers.total.bytes_by_tier["disk"] == 4 * layer_bytes
+    streamed.layers.close()
+
+
+# damaged files --------------------------------------------------------------------------------------
+def _refusal(path: Path) -> str:
+    with pytest.raises(CorruptGgufError) as caught:
+        load_model(_options(str(path)))
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_truncated_file_is_refused_naming_the_tensor(tiny, tmp_path, cache):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[:-1000])
+    message = _refusal(cut)
+    assert "truncated" in message and "'blk.2.ffn_norm.weight'" in message   # the file's last tensor
+
+
+def _patched(source: Path, out: Path, name: str, rows: int | None = None, qtype: int | None = None) -> Path:
+    """A copy of `source` whose header gives tensor `name` another row count (ne[1]) or ggml type id."""
+    raw = bytearray(source.read_bytes())
+    encoded = name.encode()
+    at = raw.index(struct.pack("<Q", len(encoded)) + encoded) + 8 + len(encoded)     # its n_dims
+    num_dims = struct.unpack_from("<I", raw, at)[0]
+    if rows is not None:
+        struct.pack_into("<Q", raw, at + 4 + 8, rows)
+    if qtype is not None:
+        struct.pack_into("<I", raw, at + 4 + 8 * num_dims, qtype)
+    out.write_bytes(bytes(raw))
+    return out
+
+
+def test_tensor_larger_than_its_bytes_is_refused(tiny, tmp_path, cache):
+    path = _patched(tiny, tmp_path / "overlap.gguf", "blk.1.ffn_up.weight", rows=2 * FF)
+    message = _refusal(path)
+    assert "'blk.1.ffn_up.weight'" in message and "does not match its type and shape" in message
+
+
+def test_unsupported_type_names_the_tensor_and_the_fallback(tmp_path, cache):
+    path = write_tiny_gguf(tmp_path / "q2k.gguf", types={"blk.0.ffn_gate.weight": Q.Q2_K})
+    message = _refusal(path)
+    assert "'blk.0.ffn_gate.weight' is Q2_K" in message and "Q4_K" in message and "--gguf-import" in message
+
+
+def test_unknown_type_id_is_refused_naming_the_tensor(tiny, tmp_path, cache):
+    path = _patched(tiny, tmp_path / "unknown.gguf", "blk.2.attn_v.weight", qtype=99)
+    message = _refusal(path)
+    assert "'blk.2.attn_v.weight' is unknown type 99" in message and "--gguf-import" not in message
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"heads": 3, "kv_heads": 1}, "llama.attention.head_count 3 does not divide llama.embedding_length 256"),
+    ({"kv_heads": 3}, "is not a positive multiple of llama.attention.head_count_kv 3"),
+    ({"block_count": 4}, "llama.block_count is 4 but block 3 has no tensors"),
+    ({"block_count": 2}, "llama.block_count is 2 but tensors name block 2"),
+])
+def test_inconsistent_metadata_is_refused(tmp_path, cache, overrides, fragment):
+    path = write_tiny_gguf(tmp_path / "bad.gguf", **overrides)
+    assert fragment in _refusal(path)
+
+
+def test_the_import_stays_available(tiny, cache):
+    statuses = []
+    loaded = load_model(_options(str(tiny), gguf_import=True), on_status=statuses.append)
+    assert isinstance(loaded.source, CheckpointSource) and list(loaded.path.glob("*.safetensors"))
+    assert statuses[-1] == f"GGUF imported to fp32 at {loaded.path}"
+    statuses.clear()
+    in_place = load_model(_options(str(tiny)), on_status=statuses.append)
+    assert statuses[-1].startswith("GGUF in place: ") and "Q4_K x" in statuses[-1]
+    assert in_place.config == loaded.config
+
+
+@pytest.mark.e2e
+def test_cli_names_the_path_it_runs_and_refuses_a_damaged_file_in_one_message(tiny, tmp_path):
+    env = {**os.environ, "SPECSTREAM_CACHE": str(tmp_path / "cache")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "cli.py"), "run", "the", "--raw", "--no-draft",
+                               "--max-new-tokens", "1", "--budget", "1", *args], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env=env)
+
+    imported = cli("--target", str(tiny), "--gguf-import")
+    assert imported.returncode == 0, imported.stderr
+    assert "GGUF imported to fp32 at" in imported.stderr
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[:-1000])
+    refused = cli("--target", str(cut))
+    message = refused.stderr.replace("\n", "")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert str(cut) in message and "'blk.2.ffn_norm.weight'" in message and "truncated" in message
