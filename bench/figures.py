@@ -43,7 +43,8 @@ def _spec_rows(spec: dict, rows: list[dict]) -> None:
 PEER_NAMES = {"ours_resident": "specstream resident", "ours_ram": "specstream streamed from RAM",
               "ours_disk_warm": "specstream streamed from disk (page cache warm)",
               "ours_disk_cold": "specstream streamed from a cold disk",
-              "transformers_resident": "transformers generate", "accelerate_disk_warm": "accelerate disk offload (warm)",
+              "transformers_resident": "transformers generate",
+              "accelerate_disk_warm": "accelerate disk offload (warm)",
               "accelerate_disk_cold": "accelerate disk offload (cold)", "accelerate_cpu": "accelerate cpu_offload",
               "airllm": "AirLLM"}
 
@@ -54,13 +55,21 @@ def _peer_rows(peers: dict, rows: list[dict]) -> None:
             rows.append(_row(PEER_NAMES.get(engine, engine), 1 / entry["seconds_per_token"], DECODE, "peers"))
 
 
+def disk_label(row: dict, is_gguf: bool) -> str:
+    """A quant-disk row's model as the tables name it (its `-ahead` twin decodes on a decoder thread)."""
+    name, ahead = row["model"].removesuffix("-ahead"), row["model"].endswith("-ahead")
+    return ("GGUF in place" if is_gguf and not name.startswith("reference-") else name) + \
+        (", decoder thread" if ahead else "")
+
+
 def _disk_rows(disk: dict, rows: list[dict]) -> None:
     for row in disk.get("rows") or []:
-        rows.append(_row(f"specstream cold disk, {row['model']}", row["tokens_per_second"], DECODE, "quant_disk"))
+        rows.append(_row(f"specstream cold disk, {disk_label(row, False)}", row["tokens_per_second"], DECODE,
+                         "quant_disk"))
     for row in (disk.get("gguf_in_place") or {}).get("rows") or []:
         if not row["model"].startswith("reference-"):
-            rows.append(_row(f"specstream cold disk, GGUF in place ({row['model']})", row["tokens_per_second"],
-                             DECODE, "quant_disk"))
+            rows.append(_row(f"specstream cold disk, {disk_label(row, True)}", row["tokens_per_second"], DECODE,
+                             "quant_disk"))
 
 
 def batch_points(batch: dict) -> list[tuple[int, float]]:
@@ -100,9 +109,9 @@ def ratio_rows(results: dict) -> list[dict]:
     for name, value in ((results.get("peers") or {}).get("ratios") or {}).items():
         add(f"{name} (seconds per token)", value, "peers", ">1: ours is faster")
     disk = results.get("quant_disk") or {}
-    for row in (disk.get("rows") or []) + ((disk.get("gguf_in_place") or {}).get("rows") or []):
-        if not row["model"].startswith("reference-"):
-            add(f"{row['model']} / fp32 from a cold disk, tok/s", row.get("speedup_vs_fp32"), "quant_disk",
+    for rows, is_gguf in ((disk.get("rows") or [], False), ((disk.get("gguf_in_place") or {}).get("rows") or [], True)):
+        for row in (r for r in rows if not r["model"].startswith("reference-")):
+            add(f"{disk_label(row, is_gguf)} / fp32 from a cold disk, tok/s", row.get("speedup_vs_fp32"), "quant_disk",
                 ">1: the packed weights are faster")
     llama = results.get("llama_cpp") or {}
     add("llama.cpp / ours resident, decode tok/s", llama.get("llama_cpp_over_ours_resident_tokens_per_second"),

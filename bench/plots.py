@@ -3,6 +3,7 @@ matplotlib is imported only here and only when a plot is drawn; each function ta
 returns the PNG's file name, or None when the benchmark behind it has no figures to draw."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from bench.figures import batch_points, engine_rows
@@ -12,10 +13,10 @@ INSTALL_HINT = "pip install 'specstream[bench]'"
 
 def have_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         return False
-    return True
+    return bool(matplotlib.__version__)
 
 
 def _pyplot():
@@ -38,9 +39,10 @@ def tokens_per_pass(spec: dict, out: Path) -> str | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, report in modes.items():
-        rows = report["budgets"]
-        ax.plot([r["budget"] for r in rows], [r["tokens_per_pass"] for r in rows], marker="o", label=mode)
+    for (mode, report), (marker, style) in zip(modes.items(), [("o", "-"), ("s", "--"), ("^", ":")] * 3):
+        rows = report["budgets"]      # greedy: every mode accepts the same tokens, so the lines may coincide
+        ax.plot([r["budget"] for r in rows], [r["tokens_per_pass"] for r in rows], marker=marker, linestyle=style,
+                markersize=8 if marker == "o" else 5, label=mode)
     peer = spec.get("assisted_generation") or {}
     if peer.get("tokens_per_target_forward"):
         ax.axhline(peer["tokens_per_target_forward"], linestyle="--", color="grey",
@@ -58,17 +60,24 @@ def pass_time(stream: dict, out: Path) -> str | None:
     if not tiers and not gpu:
         return None
     plt = _pyplot()
-    panels = [("CPU (this machine)", tiers)] + ([(f"{gpu['device']} ({gpu['date']})", {"ram": gpu})] if gpu else [])
+    panels = [("CPU (this machine)", tiers)]
+    if gpu:
+        panels.append((f"{gpu['device']} ({gpu['date']})", {"pinned RAM": gpu}))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (title, by_tier) in zip(axes[0], panels):
+        lows, highs = [], []
         for tier, report in by_tier.items():
             rows = report["passes"]
-            sizes = [r["tokens"] for r in rows]
-            line, = ax.plot(sizes, [r["pass_seconds"] for r in rows], marker="o", label=f"{tier}: pass time")
-            ax.plot(sizes, [r["bytes_streamed"] / (r["raw_gbps"] * 1e9) for r in rows], linestyle="--",
-                    color=line.get_color(), label=f"{tier}: raw bandwidth floor")
+            sizes, seconds = [r["tokens"] for r in rows], [r["pass_seconds"] for r in rows]
+            raw = statistics.median(r["raw_gbps"] for r in rows)        # the tier's rate, measured per size
+            floor = statistics.median(r["bytes_streamed"] for r in rows) / (raw * 1e9)
+            line, = ax.plot(sizes, seconds, marker="o", label=f"{tier}: pass time")
+            ax.axhline(floor, linestyle="--", color=line.get_color(),
+                       label=f"{tier}: bytes / raw bandwidth ({raw:.1f} GB/s)")
+            lows.append(min(floor, *seconds))
+            highs.append(max(seconds))
         ax.set(xscale="log", yscale="log", xlabel="tokens per pass (tree size)", ylabel="seconds per pass",
-               title=title)
+               title=title, ylim=(min(lows) / 2, max(highs) * 2))
         ax.legend(fontsize=8)
     return _save(fig, out, "pass_time.png")
 
@@ -88,8 +97,10 @@ def perplexity_bits(quant: dict, out: Path) -> str | None:
             ax.annotate(r["method"], (r["bits_per_param"], 100 * r["mean_increase"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_yscale("symlog", linthresh=1.0)          # +0.5% and +800% on one axis
+    ax.set_ylim(-0.5, 3 * max(100 * r["mean_increase"] for r in rows) + 1)
     ax.set(xlabel="bits per parameter", ylabel="mean perplexity increase over fp32 (%)",
-           title="Perplexity vs bits per parameter")
+           title="Perplexity vs bits per parameter (fp32: 32 bits, 0%)")
     ax.legend()
     return _save(fig, out, "perplexity_bits.png")
 
@@ -99,12 +110,15 @@ def engines(results: dict, out: Path) -> str | None:
     if not rows:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.2))
     names = [f"{r['engine']} [{r['benchmark']}]" for r in rows]
     colours = ["tab:blue" if r["engine"].startswith("specstream") else "tab:orange" for r in rows]
-    ax.barh(names, [r["tokens_per_second"] for r in rows], color=colours)
+    values = [r["tokens_per_second"] for r in rows]
+    bars = ax.barh(names, values, color=colours)
+    ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=7, padding=2)
     ax.invert_yaxis()
-    ax.set(xlabel="tokens per second (blue: ours, orange: peers)", title="Tokens per second per engine")
+    ax.set(xscale="log", xlim=(min(values) / 2, max(values) * 3),
+           xlabel="tokens per second, log scale (blue: ours, orange: peers)", title="Tokens per second per engine")
     ax.tick_params(axis="y", labelsize=7)
     return _save(fig, out, "engines.png")
 

@@ -155,7 +155,8 @@ def dequantize_seconds(model: LoadedModel, repeats: int = 5) -> float:
         decoded = source.decode_layer(0, stored, model.model.dtype)
         for name in MATRICES:
             linear = decoded[name]
-            linear.matrix.dequantize(linear.dtype, permuted=True, statistics=linear.statistics)
+            if hasattr(linear, "matrix"):     # SpQR decodes each matrix here; a GGUF layer is dense already
+                linear.matrix.dequantize(linear.dtype, permuted=True, statistics=linear.statistics)
         model.model.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

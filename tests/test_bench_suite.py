@@ -6,6 +6,7 @@ get them without matplotlib), and the record generator replaces exactly the mark
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -214,3 +215,16 @@ def test_quick_states_what_it_reduced_and_the_cli_parses_the_commands():
     assert build_parser().parse_args(["bench", "record", "--from", "x"]).source == Path("x")
     with pytest.raises(ValueError, match="unknown benchmarks"):
         run_suite(preset(True, only=("nope",)), Path("unused"), "x")
+
+
+def test_the_shipped_quick_run_has_every_section_and_no_machine_paths():
+    folder = RESULTS / "suite_quick"
+    report = (folder / "report.md").read_text()
+    for heading in SECTIONS:
+        assert f"## {heading}" in report
+    for path in folder.iterdir():
+        if path.suffix in (".json", ".md"):
+            text = path.read_text()
+            assert not re.search(r"/(root|home|work|tmp)/", text), path.name
+        else:
+            assert path.suffix == ".png" and path.read_bytes()[:8] == PNG

@@ -51,7 +51,7 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def step_counts(target, draft, budget: int, device: str = "cpu") -> tuple[SyncCounts, int, int]:
+def step_counts(target, draft, budget: int, device: str = "cpu", prompt: list[int] = PROMPT) -> tuple[SyncCounts, int, int]:
     """(what the steps of a greedy answer alone did, the number of steps, the draft forwards of growth)."""
     speculators = []
 
@@ -59,7 +59,7 @@ def step_counts(target, draft, budget: int, device: str = "cpu") -> tuple[SyncCo
         speculators.append(Speculator(draft, CONTEXT, max(budget, 2), PASS_TOKENS) if draft else None)
         decoder = Decoder(target.model, set(), DecodeConfig(max_new_tokens, CONTEXT, PASS_TOKENS), speculators[-1],
                           FixedBudget(budget))
-        return decoder.generate(PROMPT, SamplingConfig()).stats.num_steps
+        return decoder.generate(prompt, SamplingConfig()).stats.num_steps
 
     counts, steps = count_steps(decode, ANSWER_TOKENS, device)
     return counts, steps, speculators[-1].grower.num_draft_forwards if draft else 0
@@ -93,12 +93,35 @@ def test_an_autoregressive_step_reads_three_values(pair):
     assert steps == ANSWER_TOKENS - 1 and counts.num_host_syncs <= 3 * steps, counts.report(steps)
 
 
+# The default pair (a trimmed draft: one more read per round, its context lookups): 41.8 per step at budget
+# 64 on the first chat prompt (266.6 before the cuts), 3.0 at budget 1 (16.0 before).
+DEFAULT_PAIR_LIMITS = {64: 45, 1: 3}
+
+
+@pytest.mark.e2e
+def test_a_step_on_the_default_pair_reads_a_few_values():
+    import json
+
+    import textdata
+    from offload import LoadOptions, load_model
+    from spec import default_draft_for, load_any_draft
+    target = load_model(LoadOptions(device="cpu", dtype="fp32", max_context=CONTEXT, max_pass_tokens=PASS_TOKENS))
+    draft = load_any_draft(str(default_draft_for(None)), target, LoadOptions(device="cpu", max_context=CONTEXT))
+    prompt = json.loads(textdata.path(textdata.CHAT_PROMPTS).open().readline())["prompt"]
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    for budget, limit in DEFAULT_PAIR_LIMITS.items():
+        counts, steps, forwards = step_counts(target, draft, budget, prompt=ids)
+        assert counts.num_host_syncs / steps <= limit, (budget, counts.report(steps))
+        assert counts.num_host_syncs <= (PER_FORWARD + 1) * forwards + (PER_STEP + 1) * steps, counts.report(steps)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("budget", [64, 1])
-def test_on_a_gpu_a_step_waits_once_per_draft_forward_and_twice_more(tmp_path, budget):
-    """On CUDA only device reads count: the top-k copy after each draft forward and the root's, and the
-    target's choices; every host->device send is asynchronous."""
+def test_on_a_gpu_a_step_waits_once_per_draft_forward_and_a_few_times_more(tmp_path, budget):
+    """On CUDA only what waits for the device counts: the top-k copy after each draft forward and the
+    root's, the target's choices, and the two timing syncs (after growth, after the target's pass); every
+    host->device send is asynchronous, every read of the tree a read of host memory."""
     from offload import LoadOptions, load_model
     from spec import load_any_draft
     target_folder, draft_folder, _, _ = tiny_pair(tmp_path, 3, 256, 0.3, CONTEXT, PASS_TOKENS)
@@ -106,5 +129,6 @@ def test_on_a_gpu_a_step_waits_once_per_draft_forward_and_twice_more(tmp_path, b
     target = load_model(LoadOptions(str(target_folder), max_pass_tokens=PASS_TOKENS, **options))
     draft = load_any_draft(str(draft_folder), target, LoadOptions(**options))
     counts, steps, forwards = step_counts(target, draft, budget, "cuda")
-    assert counts.num_host_syncs <= forwards + 2 * steps, counts.report(steps)
+    assert set(counts.reads) <= {"copy", "synchronize"}, counts.report(steps)
+    assert counts.num_host_syncs <= forwards + (4 if budget > 1 else 2) * steps, counts.report(steps)
     assert counts.sync_warnings is not None

@@ -94,11 +94,12 @@ def test_bench_runs_every_mode_and_the_peer_on_a_tiny_pair(tiny_pair, tmp_path, 
         assert set(mode) == MODE_KEYS and [r["budget"] for r in mode["budgets"]] == [1, 8]
         for row in [*mode["budgets"], mode["auto"]]:
             assert ROW_KEYS <= set(row) and row["identical_to_autoregressive"] == 2
+        assert mode["autoregressive"]["tokens_per_pass"] == mode["budgets"][0]["tokens_per_pass"] == 1.0
         for row in [mode["autoregressive"], *mode["budgets"], mode["auto"]]:     # counted on the first prompt
-            assert row["torch_ops_per_step"] > 0 and row["host_reads_per_step"] == sum(row["host_reads_by_kind"].values())
+            reads = row["host_reads_per_step"]
+            assert row["torch_ops_per_step"] > 0 and reads == pytest.approx(sum(row["host_reads_by_kind"].values()), abs=0.05)
         assert mode["budgets"][1]["host_reads_per_step"] > mode["autoregressive"]["host_reads_per_step"] > 0
     assert report["host_syncs"]["counted_on"] == "cpu" and "upper bound" in report["host_syncs"]["meaning"]
-        assert mode["autoregressive"]["tokens_per_pass"] == mode["budgets"][0]["tokens_per_pass"] == 1.0
     peer = report["assisted_generation"]
     assert peer["identical_to_autoregressive"] == 2 and peer["transformers_autoregressive_identical"] == 2
     assert peer["tokens_per_target_forward"] >= 1.0 and peer["settings"]["num_assistant_tokens"] > 0
