@@ -1,5 +1,6 @@
 """`bench quant-disk`: greedy decoding with every decoder layer streamed from disk and the page cache
-dropped before each pass, the reference weights (fp32 and bf16) against packed SpQR checkpoints, in one run.
+dropped before each pass, the reference weights (fp32 and bf16) against packed SpQR checkpoints and (`--gguf`)
+the model's own GGUF run in place, in one run.
 
 Per model: decoding tokens per second (the passes after the prefill), bytes streamed per pass, and
 where a pass's time goes per layer: waiting for the loader (transfer not hidden), dequantization
@@ -41,10 +42,11 @@ class DiskBenchConfig:
     rounds: int = 1                                  # every model once per round, in turn; medians reported
     reference_dtypes: tuple[str, ...] = ("fp32", "bf16")
     prompt: str = PROMPT
+    gguf_in_place: bool = False                      # the model's own GGUF run in place, beside its imports
 
     def __post_init__(self) -> None:
-        if not self.packed:
-            raise ValueError("give at least one SpQR checkpoint with --packed (see `quantize`)")
+        if not self.packed and not self.gguf_in_place:
+            raise ValueError("give at least one SpQR checkpoint with --packed (see `quantize`), or --gguf")
         for folder in self.packed:
             if not (Path(folder) / "config.json").is_file():
                 raise FileNotFoundError(f"--packed {folder}: no config.json there (not a checkpoint folder)")
@@ -60,6 +62,9 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = l
     reference = resolve_model(config.target, gguf_import=True)   # dense reference weights
     runs = [(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
              f"reference-{dtype}", False) for dtype in config.reference_dtypes]
+    if config.gguf_in_place:        # the GGUF's blocks decoded at use, and ahead by a decoder thread
+        in_place = str(resolve_model(config.target))
+        runs += [(in_place, "fp32", "gguf-in-place", False), (in_place, "fp32", "gguf-in-place-ahead", True)]
     for folder in config.packed:    # dequantized at use (the default) and ahead by a decoder thread, side by side
         runs += [(str(folder), "fp32", Path(folder).name, False), (str(folder), "fp32", f"{Path(folder).name}-ahead", True)]
     measured: dict[str, list[dict]] = {}
@@ -148,10 +153,13 @@ def _row(name: str, loaded: LoadedModel, passes: list[PassStats], dequantize: fl
     num_layers = len(loaded.plan.tier_of)
     seconds = statistics.median(p.seconds for p in passes)
     wait = statistics.median(p.wait_seconds for p in passes)
+    # decoding per pass: the decoder thread's (ahead) or one layer's timed decode times the layers streamed
+    decode = statistics.median(p.decode_seconds for p in passes) or dequantize * loaded.plan.tier_of.count("disk")
     return {"model": name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "layers_from_disk": loaded.plan.tier_of.count("disk"), "decode_passes": len(passes),
             "tokens_per_second": round(len(passes) / sum(p.seconds for p in passes), 3),
             "pass_seconds": round(seconds, 4), "bytes_per_pass": passes[0].bytes_streamed,
+            "decode_share": round(decode / seconds, 4),
             "per_layer_ms": {"pass": round(1e3 * seconds / num_layers, 3),
                              "wait": round(1e3 * wait / num_layers, 3),
                              "transfer": round(1e3 * statistics.median(p.transfer_seconds for p in passes)

@@ -2,6 +2,11 @@
 
 efficiency = (bytes streamed / raw tier bandwidth) / pass seconds; 1.0 means the pass costs no more
 than moving its bytes at the tier's raw rate, i.e. compute and overheads are fully hidden.
+
+A packed source (a GGUF run in place) also reports the time its layers spend in decoding (timed around
+the ring's `decode`, on the compute thread), the decode rate in packed GB/s, and the link speed below
+which streaming packed blocks pays: packed_bytes/link + decode < dense_bytes/link, i.e.
+link < (dense_bytes - packed_bytes) / decode_seconds.
 """
 from __future__ import annotations
 
@@ -10,50 +15,93 @@ import time
 import torch
 
 from offload import LoadOptions
+from offload.loader import streaming_device_budget
 
 from runtime.models import load_model
 from offload.bandwidth import cold_read_gbps, copy_gbps
 
 
-def run_stream_bench(target: str | None, gpu_mem: int, tier: str, pass_tokens: list[int], device: str = "auto",
+def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_tokens: list[int], device: str = "auto",
                      dtype: str = "auto", repeats: int = 3, on_status=None) -> dict:
     if tier not in ("ram", "disk"):
         raise ValueError(f"tier must be ram or disk, got {tier!r}")
     max_tokens = max(pass_tokens)
     options = LoadOptions(target, device, dtype, gpu_mem=gpu_mem, ram=1 if tier == "disk" else None,
                           max_context=max_tokens + 1, max_pass_tokens=max_tokens, disk_cold=tier == "disk")
+    if gpu_mem is None:   # the least that runs: every layer streams
+        options.gpu_mem = gpu_mem = streaming_device_budget(options)
     loaded = load_model(options, on_status)
     try:
         if tier not in loaded.plan.tier_of:
             raise ValueError(f"--gpu-mem {gpu_mem / 2**20:.0f} MiB leaves no decoder layer on the {tier} tier "
                              f"(the plan keeps all {len(loaded.plan.tier_of)} on the device at {max_tokens} "
                              "tokens per pass): lower --gpu-mem")
-        rows = [_measure(loaded, tier, n, repeats) for n in pass_tokens]
+        decode_clock = _time_decode(loaded)
+        rows = [_measure(loaded, tier, n, repeats, decode_clock) for n in pass_tokens]
     finally:
         loaded.layers.close()
-    return {"bench": "stream", "tier": tier, "device": str(loaded.model.device),
-            "dtype": str(loaded.model.dtype).removeprefix("torch."),
-            "layers": {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")},
-            "layer_bytes": loaded.layers.layout.num_bytes, "passes": rows}
+    result = {"bench": "stream", "tier": tier, "device": str(loaded.model.device),
+              "dtype": str(loaded.model.dtype).removeprefix("torch."),
+              "layers": {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")},
+              "layer_bytes": loaded.layers.layout.num_bytes, "passes": rows}
+    if hasattr(loaded.source, "packed_bytes"):
+        result.update(_packed_figures(loaded, rows))
+    return result
 
 
-def _measure(loaded, tier: str, num_tokens: int, repeats: int) -> dict:
+def _time_decode(loaded) -> list[float]:
+    """Wraps the ring's `decode` so that its seconds (device synchronized) add up in the returned list."""
+    layers, model, clock = loaded.layers, loaded.model, [0.0]
+    decode = layers.decode
+
+    def timed(index: int, stored: dict) -> dict:
+        start = time.perf_counter()
+        decoded = decode(index, stored)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        clock[0] += time.perf_counter() - start
+        return decoded
+
+    layers.decode = timed
+    return clock
+
+
+def _packed_figures(loaded, rows: list[dict]) -> dict:
+    """Packed bytes per pass against the file's, decode rate and the link speed where packing stops paying."""
+    source, layers = loaded.source, loaded.layers
+    streamed = layers.streamed
+    file_bytes = sum(entry.num_bytes for i in streamed for _, entry in source.layer_entries(i).values())
+    dense_bytes = len(streamed) * source.dense_layer_bytes(loaded.model.dtype)
+    for row in rows:
+        row["decode_gbps"] = round(row["bytes_streamed"] / row["decode_seconds"] / 1e9, 3) if row["decode_seconds"] else None
+        # packed pays while packed/link + decode < dense/link
+        row["break_even_link_gbps"] = (round((dense_bytes - row["bytes_streamed"]) / row["decode_seconds"] / 1e9, 3)
+                                       if row["decode_seconds"] else None)
+    return {"source": source.describe(), "file_layer_bytes": file_bytes, "dense_layer_bytes": dense_bytes,
+            "bytes_vs_file": round(rows[0]["bytes_streamed"] / file_bytes, 4),
+            "break_even_note": "packed streaming pays while link GB/s < break_even_link_gbps "
+                               "(dense bytes in the compute dtype minus packed bytes, over decode seconds)"}
+
+
+def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: list[float]) -> dict:
     model, layers = loaded.model, loaded.layers
     tokens = torch.randint(0, loaded.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
     _one_pass(model, tokens)   # warm-up (and fills the ring for the first measured pass)
     best = None
     for _ in range(repeats):
+        decode_clock[0] = 0.0
         seconds = _one_pass(model, tokens)
         stats = layers.last_pass
         if best is None or seconds < best[0]:
-            best = (seconds, stats)
-    seconds, stats = best
+            best = (seconds, stats, decode_clock[0])
+    seconds, stats, decode_seconds = best
     raw_gbps = _raw_bandwidth(loaded, tier)
     ideal = stats.bytes_streamed / (raw_gbps * 1e9)
     return {"tokens": num_tokens, "pass_seconds": round(seconds, 5), "bytes_streamed": stats.bytes_streamed,
             "wait_seconds": round(stats.wait_seconds, 5), "raw_gbps": round(raw_gbps, 3),
             "achieved_gbps": round(stats.bytes_streamed / seconds / 1e9, 3),
-            "efficiency": round(ideal / seconds, 4)}
+            "efficiency": round(ideal / seconds, 4), "decode_seconds": round(decode_seconds, 5),
+            "decode_share": round(decode_seconds / seconds, 4)}
 
 
 def _one_pass(model, tokens: torch.Tensor) -> float:

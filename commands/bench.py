@@ -26,7 +26,15 @@ def add_parsers(commands) -> None:
     draft.add_argument("--json", action="store_true", help="print only JSON")
     stream = benches.add_parser("stream", help="pass time vs raw tier bandwidth for several pass sizes")
     add_target(stream, "model (default: embedded model)")
-    stream.add_argument("--gpu-mem", required=True, help="device budget that forces streaming, e.g. 450MiB")
+    stream.add_argument("--gpu-mem", default=None,
+                        help="device budget that forces streaming, e.g. 450MiB (default: every layer streams)")
+    stream.add_argument("--synthetic-gguf", default=None, choices=["q4_k", "q8_0"],
+                        help="stream a multi-GB GGUF of random valid blocks of this type (the default model "
+                             "scaled up; written once to the cache) instead of --model")
+    stream.add_argument("--scale", type=int, default=8,
+                        help="--synthetic-gguf: hidden/intermediate/heads times this (default: 8)")
+    stream.add_argument("--size-gb", type=float, default=2.5,
+                        help="--synthetic-gguf: decoder-layer GB to aim at (default: 2.5)")
     stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
     stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
     add_device(stream)
@@ -34,7 +42,31 @@ def add_parsers(commands) -> None:
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
     stream.add_argument("--json", action="store_true", help="print only JSON")
     _add_bench_spec_parser(benches)
+    _add_bench_batch_parser(benches)
     _add_suite_parsers(benches)
+
+
+def _add_bench_batch_parser(benches) -> None:
+    batch = benches.add_parser("batch", help="batched decoding: tok/s and latency by batch size, RAM- and "
+                                             "cold-disk-streamed, with and without speculation")
+    add_target(batch, "target (default: embedded model)")
+    add_draft(batch, "draft (default: the target's shipped draft)")
+    batch.add_argument("--prompts", type=Path, nargs="+", required=True,
+                       help='JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"')
+    batch.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    batch.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: 1,2,4,8,16,32)")
+    batch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (default: 32)")
+    batch.add_argument("--tiers", default="ram,disk",
+                       help="ram (every layer streams from RAM) and/or disk (cold, 3 layers resident) "
+                            "(default: ram,disk)")
+    batch.add_argument("--no-draft", action="store_true", help="autoregressive rows only (default: off)")
+    batch.add_argument("--budget", default="auto",
+                       help="tree tokens per sequence, or auto: the budget chooser splits each pass "
+                            "(default: auto)")
+    batch.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device(batch)
+    add_dtype(batch)
+    batch.add_argument("--json", action="store_true", help="print only JSON")
 
 
 def _add_suite_parsers(benches) -> None:
@@ -103,7 +135,10 @@ def _add_quant_parsers(benches) -> None:
     disk = benches.add_parser("quant-disk", help="decoding with layers streamed from a cold disk: reference "
                                                  "fp32/bf16 vs SpQR checkpoints, in one run")
     add_target(disk, "reference model (default: embedded model)")
-    disk.add_argument("--packed", type=Path, nargs="+", required=True, help="SpQR checkpoints of that model")
+    disk.add_argument("--packed", type=Path, nargs="+", default=[], help="SpQR checkpoints of that model")
+    disk.add_argument("--gguf", action="store_true",
+                      help="add the model's GGUF run in place (decoded at use, and ahead by a thread) beside "
+                           "its fp32 and bf16 imports")
     disk.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per model (default: 24)")
     disk.add_argument("--rounds", type=int, default=3, help="every model once per round, in turn; medians "
                                                             "(default: 3)")
@@ -184,6 +219,8 @@ def cmd_bench(args, console) -> int:
         result = _bench_draft(args, console)
     if args.bench == "spec":
         result = _bench_spec(args, console)
+    if args.bench == "batch":
+        result = _bench_batch(args, console)
     if args.bench == "quant":
         result = _bench_quant(args, console)
     if args.bench == "quant-disk":
@@ -193,8 +230,16 @@ def cmd_bench(args, console) -> int:
         sizes = [int(x) for x in args.tokens.split(",") if x.strip()]
         if not sizes or min(sizes) <= 0:
             raise ValueError(f"--tokens needs positive pass sizes, got {args.tokens!r}")
-        result = run_stream_bench(args.target, parse_bytes(args.gpu_mem), args.tier, sizes, args.device,
-                                  args.dtype, args.repeats, on_status=lambda m: console.print(f"[dim]{m}[/dim]"))
+        on_status = lambda m: console.print(f"[dim]{m}[/dim]")
+        target, synthetic = args.target, None
+        if args.synthetic_gguf:
+            from bench.synthetic_gguf import synthetic_target
+            path, synthetic = synthetic_target(args.synthetic_gguf, args.scale, args.size_gb, on_status)
+            target = str(path)
+        result = run_stream_bench(target, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tier, sizes,
+                                  args.device, args.dtype, args.repeats, on_status=on_status)
+        if synthetic:
+            result["synthetic_gguf"] = synthetic
     if not args.json:
         for row in result.get("passes", []):
             console.print(f"{row['tokens']:>5} tokens: {row['pass_seconds']:.4f} s/pass, "
@@ -203,9 +248,34 @@ def cmd_bench(args, console) -> int:
     return 0
 
 
+def _bench_batch(args, console) -> dict:
+    import torch
+    from bench.batch_bench import BatchBenchConfig, run_batch_bench
+    from bench.batch_summary import plan_70b, summarize, summary_line
+    from spec.distill.prompts import prompt_turns
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        budget = None if args.budget == "auto" else int(args.budget)
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes integers like 1,2,4 and --budget auto or an integer; got "
+                         f"{args.batch_sizes!r}, {args.budget!r}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = BatchBenchConfig(args.target, args.draft, sizes, [t.strip() for t in args.tiers.split(",") if t.strip()],
+                              args.max_new_tokens, not args.no_draft, budget, device=args.device, dtype=args.dtype)
+    result = run_batch_bench(config, prompt_turns(args.prompts, args.limit),
+                             on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
+    result["target"] = Path(args.target).name if args.target else "default"
+    result["prompt_files"] = [p.name for p in args.prompts]
+    result["summary"] = summarize(result)
+    result["plan_70b_spqr_w4"] = plan_70b()
+    console.print(summary_line(result), highlight=False)
+    return result
+
+
 def _bench_quant_disk(args, console) -> dict:
     from bench.quant_disk_bench import DiskBenchConfig, run_disk_bench
-    config = DiskBenchConfig(args.target, list(args.packed), args.new_tokens, args.rounds)
+    config = DiskBenchConfig(args.target, list(args.packed), args.new_tokens, args.rounds, gguf_in_place=args.gguf)
     result = run_disk_bench(config, on_status=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False))
     if not args.json:
         for row in result["rows"]:

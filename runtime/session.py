@@ -61,6 +61,10 @@ class RuntimeConfig:
             check_threshold(self.judge_threshold)
         if self.judge and self.no_draft:
             raise ValueError("--judge needs a draft to judge (drop --no-draft)")
+        if self.judge:                  # a user's file is checked before any model loads
+            from judge.policy import judge_path
+            if not judge_path(self.judge).is_file():
+                raise FileNotFoundError(f"judge file not found: {judge_path(self.judge)}")
 
 
 def _load_target(options: LoadOptions, on_status, on_progress) -> LoadedModel:

@@ -1,0 +1,150 @@
+"""A multi-GB GGUF for `bench stream --synthetic-gguf`: the default model's architecture and tokenizer
+with its hidden and intermediate sizes (and head counts, head size kept) scaled up, every tensor random
+VALID blocks of one type (gguf_blocks.random_blocks), written one tensor at a time (RAM holds one
+tensor, not the file). Made once, cached under $SPECSTREAM_CACHE/bench_gguf/."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from offload.weights.gguf_blocks import packed_nbytes, random_blocks
+from offload.weights.gguf_import import cache_root
+from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from offload.weights.resolve import default_model_gguf
+
+SYNTHETIC_TYPES = {"q4_k": T.Q4_K, "q8_0": T.Q8_0}
+ARCH = "llama"
+# metadata the shapes below replace; everything else (tokenizer, rope, eps) is the default model's
+_REPLACED = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type",
+             f"{ARCH}.block_count", f"{ARCH}.embedding_length", f"{ARCH}.feed_forward_length",
+             f"{ARCH}.attention.head_count", f"{ARCH}.attention.head_count_kv"}
+
+
+@dataclass(slots=True)
+class SyntheticShape:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if min(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.num_layers) < 1:
+            raise ValueError(f"synthetic GGUF sizes must be positive, got {self}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"heads {self.num_heads} must divide hidden {self.hidden_size} and be a multiple "
+                             f"of kv heads {self.num_kv_heads}")
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF layer tensor name -> torch shape [rows, cols] (blocks run along cols)."""
+        head_dim = self.hidden_size // self.num_heads
+        q, kv, hidden, inter = self.hidden_size, self.num_kv_heads * head_dim, self.hidden_size, self.intermediate_size
+        shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q": (q, hidden), "k": (kv, hidden),
+                  "v": (kv, hidden), "o": (hidden, q), "gate": (inter, hidden), "up": (inter, hidden),
+                  "down": (hidden, inter)}
+        return {GGUF_LAYER_NAMES[name]: shape for name, shape in shapes.items()}
+
+
+def _type_of(name: str, shape: tuple[int, ...], qtype: T) -> T:
+    """Norms stay F32, as in llama.cpp's files; the embedding (decoded once, never streamed) is Q4_0 to
+    keep the file's non-layer bytes small."""
+    if len(shape) == 1:
+        return T.F32
+    return T.Q4_0 if name == GGUF_GLOBAL_NAMES["embed"] else qtype
+
+
+def layer_bytes(shape: SyntheticShape, qtype: T) -> int:
+    return sum(packed_nbytes(_type_of(n, s, qtype), s) for n, s in shape.layer_shapes().items())
+
+
+def scaled_shape(qtype: T, scale: int, size_gb: float) -> SyntheticShape:
+    """The default model's shapes with hidden/intermediate/heads times `scale`; as many layers (at most the
+    default's) as make the file's decoder layers about `size_gb` GB."""
+    reader = GGUFReader(default_model_gguf())
+    base = {key: int(reader.get_field(f"{ARCH}.{key}").contents()) for key in
+            ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+             "block_count")}
+    one = SyntheticShape(base["embedding_length"] * scale, base["feed_forward_length"] * scale,
+                         base["attention.head_count"] * scale, base["attention.head_count_kv"] * scale, 1)
+    try:
+        per_layer = layer_bytes(one, qtype)
+    except ValueError as err:
+        raise ValueError(f"--scale {scale}: {err} (K-quants need hidden sizes in multiples of 256: scale 4, 8, 12...)") \
+            from None
+    one.num_layers = max(1, min(base["block_count"], round(size_gb * 1e9 / per_layer)))
+    return one
+
+
+def synthetic_gguf(qtype: T, shape: SyntheticShape, on_status: Callable[[str], None] = lambda m: None,
+                   folder: Path | None = None) -> Path:
+    """The cached file for (qtype, shape), written on first use."""
+    folder = folder or cache_root() / "bench_gguf"
+    name = (f"synthetic-{qtype.name.lower()}-h{shape.hidden_size}-i{shape.intermediate_size}-"
+            f"a{shape.num_heads}x{shape.num_kv_heads}-l{shape.num_layers}.gguf")
+    path = folder / name
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    on_status(f"writing {name} ({shape.num_layers * layer_bytes(shape, qtype) / 1e9:.2f} GB of layers, once)")
+    tmp = path.with_name(name + ".partial")
+    try:
+        _write(tmp, qtype, shape)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
+def _tensor_shapes(shape: SyntheticShape, vocab: int) -> dict[str, tuple[int, ...]]:
+    shapes = {GGUF_GLOBAL_NAMES["embed"]: (vocab, shape.hidden_size), GGUF_GLOBAL_NAMES["norm"]: (shape.hidden_size,)}
+    for index in range(shape.num_layers):   # tied embeddings, as the default model: no output.weight
+        shapes.update({f"blk.{index}.{name}": s for name, s in shape.layer_shapes().items()})
+    return shapes
+
+
+def _write(path: Path, qtype: T, shape: SyntheticShape) -> None:
+    reader = GGUFReader(default_model_gguf())
+    vocab = len(reader.get_field("tokenizer.ggml.tokens").contents())
+    writer = GGUFWriter(path, ARCH)
+    for field in reader.fields.values():
+        if field.name not in _REPLACED:
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    writer.add_block_count(shape.num_layers)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    shapes = _tensor_shapes(shape, vocab)
+    for name, s in shapes.items():
+        tensor_type = _type_of(name, s, qtype)
+        writer.add_tensor_info(name, s, np.dtype(np.float32), packed_nbytes(tensor_type, s), raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    generator = np.random.default_rng(0)
+    for name, s in shapes.items():
+        writer.write_tensor_data(random_blocks(_type_of(name, s, qtype), s, generator))
+    writer.close()
+
+
+def synthetic_target(type_name: str, scale: int, size_gb: float,
+                     on_status: Callable[[str], None] = lambda m: None) -> tuple[Path, dict]:
+    """`bench stream --synthetic-gguf`: the cached file and what to say about it in the JSON."""
+    if type_name not in SYNTHETIC_TYPES:
+        raise ValueError(f"--synthetic-gguf {type_name!r}: choose one of {', '.join(SYNTHETIC_TYPES)}")
+    if scale < 1 or size_gb <= 0:
+        raise ValueError(f"--scale must be >= 1 and --size-gb > 0, got {scale} and {size_gb}")
+    qtype = SYNTHETIC_TYPES[type_name]
+    shape = scaled_shape(qtype, scale, size_gb)
+    path = synthetic_gguf(qtype, shape, on_status)
+    return path, {"type": type_name, "scale": scale, "file": path.name, "file_bytes": path.stat().st_size,
+                  "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+                  "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "num_layers": shape.num_layers}

@@ -1,0 +1,27 @@
+"""The synthetic GGUF of `bench stream --synthetic-gguf`: a tiny one loads in place and one streamed
+pass moves exactly the file's decoder-layer bytes."""
+from __future__ import annotations
+
+from bench.stream_bench import run_stream_bench
+from bench.synthetic_gguf import SYNTHETIC_TYPES, SyntheticShape, layer_bytes, synthetic_gguf
+from offload.weights.gguf_header import read_header
+
+TINY = SyntheticShape(hidden_size=64, intermediate_size=128, num_heads=1, num_kv_heads=1, num_layers=6)
+
+
+def test_synthetic_gguf_streams_its_layer_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    qtype = SYNTHETIC_TYPES["q8_0"]
+    path = synthetic_gguf(qtype, TINY, folder=tmp_path)
+    assert path.stat().st_size < 5 * 2**20
+    header = read_header(path)
+    file_layer_bytes = sum(t.num_bytes for name, t in header.tensors.items() if name.startswith("blk."))
+    assert file_layer_bytes == TINY.num_layers * layer_bytes(TINY, qtype)
+
+    result = run_stream_bench(str(path), None, "ram", [1], device="cpu", dtype="fp32", repeats=1)
+
+    assert result["layers"]["ram"] == TINY.num_layers
+    assert result["file_layer_bytes"] == file_layer_bytes
+    assert result["passes"][0]["bytes_streamed"] == file_layer_bytes
+    assert result["passes"][0]["decode_seconds"] > 0
+    assert synthetic_gguf(qtype, TINY, folder=tmp_path) == path     # cached: written once
