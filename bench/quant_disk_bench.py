@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from offload import LoadedModel, LoadOptions
 
-from runtime.models import load_model
+from runtime.models import load_model, weight_formats
 from offload.weights.gguf_import import cache_root
 from offload.weights.resolve import resolve_model
 from offload.loader import streaming_device_budget
@@ -115,7 +115,8 @@ def stored_copy(folder: Path, dtype: str, on_status) -> Path:
 def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status,
              decode_ahead: bool = False) -> dict:
     options = LoadOptions(model, dtype=dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
-                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=decode_ahead)
+                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=decode_ahead,
+                          formats=weight_formats())
     options.gpu_mem = streaming_device_budget(options)
     loaded = load_model(options)
     try:

@@ -16,7 +16,7 @@ from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
 from offload.planner import Plan, PlanRequest, make_plan, streaming_budget
 from offload.resident import to_device
-from offload.weights.resolve import resolve_model
+from offload.weights.resolve import is_default_model, resolve_model
 from offload.stream import StreamingLayers
 from offload.tiers import DiskTier, RamTier
 from offload.weights.tokenizer import Tokenizer
@@ -84,8 +84,8 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
     path = resolve_model(options.model, options.allow_download, on_status, on_progress, options.gguf_import)
     config = ModelConfig.from_file(path)
     source = open_source(path, config, options.formats)
-    if on_status and hasattr(source, "describe"):
-        on_status(source.describe())
+    if on_status and hasattr(source, "describe") and not is_default_model(options.model):
+        on_status(source.describe())          # a user's file: say how it runs (the embedded model needs no line)
     tokenizer = Tokenizer(path)
     engine = build_engine(source, options)
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,

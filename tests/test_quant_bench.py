@@ -49,8 +49,9 @@ def test_every_method_has_a_row_with_bits_and_perplexity(result):
     assert 4.6 < rows["spqr-w4"]["bits_per_param"] < 5.5 and 3.6 < rows["spqr-w3"]["bits_per_param"] < 4.6
     # groups of 32 halve the statistics' share: 0.3125 bits fewer, outliers and the permutation aside
     assert 0.2 < rows["spqr-w4"]["bits_per_param"] - rows["spqr-w4-g32"]["bits_per_param"] < 0.45
-    # 8-bit statistics at groups of 32 cost what 3-bit ones at groups of 16 do: 2 x 8 / 32 = 2 x 3 / 16 + 1 / 8
-    assert abs(rows["spqr-w4"]["bits_per_param"] - rows["spqr-w4-g32-s8-noact"]["bits_per_param"]) < 0.05
+    # 8-bit statistics at groups of 32 cost what 3-bit ones at groups of 16 do (2 x 8 / 32 = 2 x 3 / 16 + 1 / 8);
+    # in input order no permutation is stored: 16 bits per input column fewer, 16 / rows per parameter (0.125-0.25 here)
+    assert 0.1 < rows["spqr-w4"]["bits_per_param"] - rows["spqr-w4-g32-s8-noact"]["bits_per_param"] < 0.3
     assert rows["spqr-w4-g32-s8-noact"]["act_order"] is False
     assert rows["gptq-w3-g16"]["bits_per_param"] > 5 and rows["nf4"]["bits_per_param"] == 4.5
     for row in result["rows"]:
