@@ -8,12 +8,12 @@ link's ms for the packed bytes and for the dense bf16 bytes, both at the measure
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from offload.bandwidth import timed_seconds
 from offload.model.config import ModelConfig
 from quant.checkpoint import matrix_shapes
 from quant.packbits import packed_bytes
@@ -24,15 +24,7 @@ DENSE_BYTES = 2      # bf16, what the layer would stream unpacked
 
 def best_ms(run: Callable[[], object], device: torch.device, repeats: int = 4) -> float:
     """Best of repeats - 1 timed calls after a warm-up (which also compiles a Triton kernel)."""
-    timings = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        timings.append(time.perf_counter() - start)
+    timings = [timed_seconds(run, device) for _ in range(repeats)]
     return round(1e3 * min(timings[1:]), 3)
 
 

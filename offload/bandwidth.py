@@ -16,7 +16,7 @@ def host_to_device_gbps(num_bytes: int, device: torch.device, repeats: int = 3) 
     host = allocate_host(num_bytes, pin=device.type == "cuda")
     host.fill_(1)
     target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    return num_bytes / min(_timed(lambda: target.copy_(host, non_blocking=True), device) for _ in range(repeats)) / 1e9
+    return num_bytes / min(timed_seconds(lambda: target.copy_(host, non_blocking=True), device) for _ in range(repeats)) / 1e9
 
 
 def copy_gbps(sources: list[torch.Tensor], target: torch.Tensor) -> float:
@@ -27,7 +27,7 @@ def copy_gbps(sources: list[torch.Tensor], target: torch.Tensor) -> float:
     def run() -> None:
         for source in sources:
             target[:source.numel()].copy_(source, non_blocking=True)
-    return total / _timed(run, device) / 1e9
+    return total / timed_seconds(run, device) / 1e9
 
 
 def cold_read_gbps(paths_and_ranges: list[tuple[Path, int, int]], buffer_bytes: int = 64 << 20) -> float:
@@ -69,7 +69,8 @@ def disk_probe_gbps(folder: Path, num_bytes: int = 256 << 20) -> float:
 
 
 
-def _timed(fn, device: torch.device) -> float:
+def timed_seconds(fn, device: torch.device) -> float:
+    """Seconds fn() takes on `device`, queued device work included (CUDA is synchronised around it)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
