@@ -14,8 +14,10 @@ def engine_rows(results: dict) -> list[dict]:
     llama = results.get("llama_cpp") or {}
     if llama.get("tokens_per_second"):
         rows.append(_row("llama.cpp (llama-cpp-python, Q4_1 GGUF)", llama["tokens_per_second"], DECODE, "llama_cpp"))
-    for size, tps in batch_points(results.get("batch") or {}):
-        rows.append(_row(f"specstream batched, {size} sequences", tps, "generated tok/s, all sequences", "batch"))
+    for label, points in batch_series(results.get("batch") or {}).items():
+        size, tps = max(points, key=lambda p: p[1])     # each series' best batch size
+        rows.append(_row(f"specstream batched{', ' + label if label else ''}, {size} sequences", tps,
+                         "generated tok/s, all sequences", "batch"))
     return rows
 
 
@@ -72,16 +74,16 @@ def _disk_rows(disk: dict, rows: list[dict]) -> None:
                              "quant_disk"))
 
 
-def batch_points(batch: dict) -> list[tuple[int, float]]:
-    """(batch size, total tok/s) from `bench batch`'s report, whatever its rows are called."""
-    rows = batch.get("rows") or batch.get("runs") or []
-    points = []
-    for row in rows:
-        size = row.get("batch_size", row.get("batch"))
-        tps = row.get("tokens_per_second", row.get("throughput_tokens_per_second", row.get("throughput")))
+def batch_series(batch: dict) -> dict[str, list[tuple[int, float]]]:
+    """`bench batch`'s rows as one series per (tier, mode), e.g. "disk, speculative" -> sorted (batch size,
+    total tok/s); rows that name neither form the series ""."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in batch.get("rows") or []:
+        size, tps = row.get("batch_size"), row.get("tokens_per_second")
         if isinstance(size, int) and isinstance(tps, (int, float)):
-            points.append((size, float(tps)))
-    return sorted(points)
+            label = ", ".join(str(row[key]) for key in ("tier", "mode") if row.get(key))
+            series.setdefault(label, []).append((size, float(tps)))
+    return {label: sorted(points) for label, points in series.items()}
 
 
 def ratio_rows(results: dict) -> list[dict]:
@@ -116,8 +118,12 @@ def ratio_rows(results: dict) -> list[dict]:
     llama = results.get("llama_cpp") or {}
     add("llama.cpp / ours resident, decode tok/s", llama.get("llama_cpp_over_ours_resident_tokens_per_second"),
         "llama_cpp + peers", ">1: llama.cpp is faster")
-    points = batch_points(results.get("batch") or {})
-    if len(points) > 1 and points[0][1]:
-        add(f"batched {points[-1][0]} / batch {points[0][0]}, tok/s", points[-1][1] / points[0][1], "batch",
-            ">1: batching adds throughput")
+    batch = results.get("batch") or {}
+    for label, points in batch_series(batch).items():
+        if len(points) > 1 and points[0][1]:
+            add(f"batched {points[-1][0]} / batch {points[0][0]}{f' ({label})' if label else ''}, tok/s",
+                points[-1][1] / points[0][1], "batch", ">1: batching adds throughput")
+    for tier, value in ((batch.get("summary") or {}).get("speculative_vs_autoregressive") or {}).items():
+        add(f"best batched speculative / best batched autoregressive ({tier}), tok/s", value, "batch",
+            ">1: speculation adds to batching")
     return out

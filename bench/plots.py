@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench.figures import batch_points, engine_rows
+from bench.figures import batch_series, engine_rows
 
 INSTALL_HINT = "pip install 'specstream[bench]'"
 
@@ -124,12 +124,15 @@ def engines(results: dict, out: Path) -> str | None:
 
 
 def batch_throughput(batch: dict, out: Path) -> str | None:
-    points = batch_points(batch)
-    if not points:
+    series = batch_series(batch)
+    if not series:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    for label, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label or None)
+    if any(series):
+        ax.legend(fontsize=8)
     ax.set(xscale="log", xlabel="batch size (sequences)", ylabel="tokens per second, all sequences",
            title="Throughput vs batch size")
     return _save(fig, out, "batch_throughput.png")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench import plots
-from bench.figures import batch_points, disk_label, engine_rows, ratio_rows
+from bench.figures import batch_series, disk_label, engine_rows, ratio_rows
 from bench.suite import ROOT
 
 JUDGE_RESULTS = "bench/results/judge_eval_*.json"
@@ -223,10 +223,13 @@ def _llama(results, manifest, judge) -> str:
 
 
 def _batch(results, manifest, judge) -> str:
-    points = batch_points(results["batch"])
-    if not points:
+    series = batch_series(results["batch"])
+    if not series:
         return "`bench batch` ran; its report has no (batch size, tok/s) rows: see batch.json."
-    return table(["batch size", "tok/s (all sequences)"], [list(p) for p in points])
+    sizes = sorted({size for points in series.values() for size, _ in points})
+    values = {label: dict(points) for label, points in series.items()}
+    header = [f"tok/s, {label}" if label else "tok/s (all sequences)" for label in series]
+    return table(["batch size", *header], [[size, *(values[label].get(size, "") for label in series)] for size in sizes])
 
 
 def _judge(results, manifest, judge) -> str:

@@ -3,8 +3,8 @@ them all.
 
 Each pass packs, back to back into one [1, N] pass, every decoding sequence's tree (a root alone without a
 draft) and chunks of joining prompts, within max_pass_tokens; the slot cache and a block mask keep each
-token to its own sequence's keys. A sequence does exactly what Decoder does alone (same sampling calls on
-its own generator, same penalties, stop checks token by token), so its answer does not depend on its
+token to its own sequence's keys. A sequence does exactly what Decoder does alone (the same position-keyed draws
+from its own seed, same penalties, stop checks token by token), so its answer does not depend on its
 neighbours. Finished sequences leave after the pass that ends them and waiting prompts take their slots
 (continuous batching); a joining prompt's prefill rides along with the others' decoding.
 """
@@ -25,7 +25,7 @@ from .batch_speculator import BatchSpeculator, Proposal
 from .decoding import DecodeResult, StopCondition, TokenCallback, cut_answer
 from .grow import HOST, MAX_CHILDREN, MAX_DEPTH, GrowthConfig
 from .penalties import Penalties
-from .sampling import SamplingConfig, make_generator, sample
+from .sampling import PositionDraws, SamplingConfig, make_draws, sample_first
 from .tree import Tree
 from .verify import AcceptancePolicy, ExactMatch, Verdict, accepted_path, matches_target, target_choices
 
@@ -104,7 +104,7 @@ FinishCallback = Callable[[BatchRequest, DecodeResult | None, str | None], None]
 class _Sequence:
     request: BatchRequest
     slot: int
-    generator: torch.Generator | None
+    draws: PositionDraws | None
     started: float
     result: DecodeResult = field(default_factory=DecodeResult)
     cached_ids: list[int] = field(default_factory=list)   # committed in the target's slot
@@ -171,7 +171,7 @@ class BatchDecoder:
             if problem:
                 on_finish(request, None, problem)
                 continue
-            sequence = _Sequence(request, free.pop(0), make_generator(request.sampling, self.target.device),
+            sequence = _Sequence(request, free.pop(0), make_draws(request.sampling),
                                  time.perf_counter())
             sequence.result.stats.num_prompt_tokens = len(request.prompt_ids)
             sequence.result.stats.speculative = self.speculator is not None
@@ -287,7 +287,7 @@ class BatchDecoder:
         penalties = Penalties.before(sampling, sequence.cached_ids, [])
         if penalties:
             logits = penalties.apply(logits[None], torch.empty(1, 0, dtype=torch.long))[0]
-        self._emit(sequence, [int(sample(logits, sampling, sequence.generator))])
+        self._emit(sequence, [int(sample_first(logits, sampling, sequence.draws))])
 
     def _verified(self, part: _Part, logits: Tensor, hidden: Tensor | None, draft_seconds: float,
                   target_seconds: float, overhead_seconds: float) -> None:
@@ -295,7 +295,8 @@ class BatchDecoder:
         sequence, tree = part.sequence, part.tree
         stats, sampling = sequence.result.stats, sequence.request.sampling
         penalized = part.penalties.apply(logits, tree.path_tokens().to(logits.device)) if part.penalties else logits
-        choices = target_choices(penalized, sampling, sequence.generator).to(tree.tokens.device)
+        choices = target_choices(penalized, sampling, sequence.draws, tree, len(sequence.result.token_ids))
+        choices = choices.to(tree.tokens.device)
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         if sampling.repetition_penalty != 1.0:       # the level at the newest position, for the next tree
             sequence.logit_level = float(logits[path[-1]].logsumexp(-1))

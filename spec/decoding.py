@@ -15,7 +15,7 @@ from offload import DecoderModel, ForwardOutput, KVCache
 from offload.host_sync import send
 from .grow import MAX_CHILDREN, MAX_DEPTH, GrowthConfig
 from .penalties import Penalties
-from .sampling import SamplingConfig, make_generator, sample
+from .sampling import PositionDraws, SamplingConfig, make_draws, sample_first
 from .speculator import Speculator
 from .stats import DecodeStats
 from .tree import Tree
@@ -109,10 +109,10 @@ class Decoder:
         result, start = DecodeResult(), time.perf_counter()
         result.stats.num_prompt_tokens = len(prompt_ids)
         result.stats.speculative = self.speculator is not None
-        generator = make_generator(sampling, self.target.device)
+        draws = make_draws(sampling)
         try:
             logits = self._prefill(prompt_ids, result.stats)
-            self._loop(logits, sampling, generator, result, on_tokens, start, stop)
+            self._loop(logits, sampling, draws, result, on_tokens, start, stop)
         except KeyboardInterrupt:
             result.stats.stop_reason = "interrupted"
             self._discard_pending()
@@ -146,7 +146,7 @@ class Decoder:
             stats.num_target_passes += 1
         return logits[0, -1]   # [V]
 
-    def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, generator, result: DecodeResult,
+    def _loop(self, logits: torch.Tensor, sampling: SamplingConfig, draws: PositionDraws | None, result: DecodeResult,
               on_tokens: TokenCallback | None, start: float, stop: StopCondition | None) -> None:
         stats = result.stats
         if sampling.repetition_penalty != 1.0:           # the target's level, for a penalized draft
@@ -154,7 +154,7 @@ class Decoder:
         penalties = Penalties.before(sampling, self.cached_ids, [])
         if penalties:
             logits = penalties.apply(logits[None], torch.empty(1, 0, dtype=torch.long))[0]
-        emitted = [int(sample(logits, sampling, generator))]
+        emitted = [int(sample_first(logits, sampling, draws))]
         while True:
             count, stats.stop_reason = self._cut(emitted, result.token_ids, stop)
             result.token_ids.extend(emitted[:count])
@@ -168,14 +168,15 @@ class Decoder:
             if self.cache.length + 1 >= self.config.max_context:
                 stats.stop_reason = "context"
                 return
-            emitted = self._step(result.token_ids, sampling, generator, stats)
+            emitted = self._step(result.token_ids, sampling, draws, stats)
 
     def _cut(self, emitted: list[int], answer: list[int], stop: StopCondition | None) -> tuple[int, str]:
         """How many of a step's tokens to emit after `answer`, and why generation stops there ("" if it
         goes on)."""
         return cut_answer(emitted, answer, self.stop_ids, stop, self.config.max_new_tokens)
 
-    def _step(self, answer: list[int], sampling: SamplingConfig, generator, stats: DecodeStats) -> list[int]:
+    def _step(self, answer: list[int], sampling: SamplingConfig, draws: PositionDraws | None,
+              stats: DecodeStats) -> list[int]:
         """One target pass over a tree rooted at the answer's last token -> the tokens it yields (accepted
         path + the target's token after it). Commits the root and the accepted nodes in both caches."""
         began = time.perf_counter()
@@ -196,7 +197,7 @@ class Decoder:
         logits = output.logits[0]                                                      # [N, V]
         if penalties:
             logits = penalties.apply(logits, send(tree.path_tokens(), logits.device))
-        choices = target_choices(logits, sampling, generator).to(tree.tokens.device)
+        choices = target_choices(logits, sampling, draws, tree, len(answer)).to(tree.tokens.device)
         hidden = output.hidden[0] if output.hidden is not None else None
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         if sampling.repetition_penalty != 1.0:       # the level at the newest position, for the next tree

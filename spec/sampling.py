@@ -1,6 +1,14 @@
-"""Sampling: a pure map from logits to a token, configured by SamplingConfig."""
+"""Sampling: a pure map from logits to a token, configured by SamplingConfig.
+
+A request's randomness is keyed by answer position (PositionDraws): the token at answer index p is drawn
+by inverse CDF at a uniform u_p that is a pure function of (seed, p). Every tree node at depth d under a
+root at index p - d - 1 draws with u_p, so what a sequence emits does not depend on its tree's size, on
+how many nodes were drawn before, or on its batch neighbours. Exactness: u_p is independent of the tokens
+before p (the trees and the draft never see it), so each emitted token is a target sample given its prefix.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +59,63 @@ def make_generator(config: SamplingConfig, device: torch.device) -> torch.Genera
     else:
         generator.seed()
     return generator
+
+
+_MASK64 = (1 << 64) - 1
+_DRAW_BYTES = 64 << 20     # float64 CDF rows per step: bounds the workspace at large trees x vocabularies
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs look independent."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+@dataclass(frozen=True, slots=True)
+class PositionDraws:
+    """The uniforms of one request: u_p in [0, 1) for answer index p, a pure function of (seed, p)."""
+    seed: int
+
+    def uniform(self, position: int) -> float:
+        if position < 0:
+            raise ValueError(f"answer positions start at 0, got {position}")
+        return (_mix64(_mix64(self.seed & _MASK64) ^ position) >> 11) / float(1 << 53)
+
+    def uniforms(self, first: int, count: int, device: torch.device) -> Tensor:
+        """[count] float64: u_first, ..., u_{first + count - 1}."""
+        return torch.tensor([self.uniform(first + i) for i in range(count)], dtype=torch.float64, device=device)
+
+
+def make_draws(config: SamplingConfig) -> PositionDraws | None:
+    """None when greedy; the request's seed, or 63 fresh bits from the OS when it has none."""
+    if config.is_greedy:
+        return None
+    seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return PositionDraws(seed)
+
+
+def sample_at(logits: Tensor, config: SamplingConfig, uniforms: Tensor | None) -> Tensor:
+    """logits [N, V], uniforms [N] float64 (None when greedy) -> token ids [N]: row i's token is the first
+    whose cumulative probability exceeds uniforms[i] of the row's total (a token of probability 0 never)."""
+    if config.is_greedy:
+        return logits.argmax(-1)
+    if uniforms is None or uniforms.shape != logits.shape[:1]:
+        raise ValueError(f"sampling {tuple(logits.shape)} logits needs one uniform per row")
+    rows = max(1, _DRAW_BYTES // (8 * logits.shape[-1]))
+    tokens = []
+    for start in range(0, logits.shape[0], rows):
+        cdf = probabilities(logits[start:start + rows], config).double().cumsum(-1)   # [n, V]
+        targets = (uniforms[start:start + rows].to(cdf.device) * cdf[:, -1]).unsqueeze(-1)   # [n, 1]
+        tokens.append(torch.searchsorted(cdf, targets, right=True).squeeze(-1))
+    return torch.cat(tokens).clamp_(max=logits.shape[-1] - 1)
+
+
+def sample_first(logits: Tensor, config: SamplingConfig, draws: PositionDraws | None) -> Tensor:
+    """logits [V] after the prompt -> the answer's first token (answer index 0)."""
+    uniforms = None if draws is None else draws.uniforms(0, 1, logits.device)
+    return sample_at(logits[None], config, uniforms)[0]
 
 
 def probabilities(logits: Tensor, config: SamplingConfig) -> Tensor:

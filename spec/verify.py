@@ -2,7 +2,8 @@
 longest root path on which each child is what the target chose at its parent.
 
 Exactness: the target samples once at each node (argmax when greedy) from its own distribution at that
-node's context; an accepted child equals that sample, and the step ends with the target's sample at the
+node's context, with the uniform of the answer position the node's child would take (sampling.py's
+PositionDraws); an accepted child equals that sample, and the step ends with the target's sample at the
 last accepted node. So every emitted token is a target sample given exactly the tokens before it, and
 the output distribution is the target's, whatever the draft proposed.
 """
@@ -14,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .sampling import SamplingConfig, sample
+from .sampling import PositionDraws, SamplingConfig, sample_at
 from .tree import Tree, root_path
 
 
@@ -50,9 +51,14 @@ def matches_target(tree: Tree, choices: Tensor) -> Tensor:
     return ok
 
 
-def target_choices(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
-    """logits [N, V] -> [N]: one target sample per node (argmax when greedy)."""
-    return sample(logits, sampling, generator)
+def target_choices(logits: Tensor, sampling: SamplingConfig, draws: PositionDraws | None, tree: Tree,
+                   first_position: int) -> Tensor:
+    """logits [N, V] -> [N]: the target's token after each node (argmax when greedy); the token after a node
+    at depth d takes answer index first_position + d and is drawn with that index's uniform."""
+    if sampling.is_greedy:
+        return logits.argmax(-1)
+    table = draws.uniforms(first_position, tree.max_depth + 1, logits.device)     # [max_depth + 1]
+    return sample_at(logits, sampling, table[tree.depths.to(logits.device)])
 
 
 def accepted_path(tree: Tree, ok: Tensor) -> list[int]:

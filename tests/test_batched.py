@@ -125,13 +125,17 @@ def test_stop_conditions_and_penalties_act_per_sequence(pair):
 
 @pytest.mark.parametrize("budget", [1, 4])
 def test_seeded_sampling_does_not_depend_on_the_batch(pair, budget):
-    """Each sequence draws from its own generator seeded by its request, as Decoder does alone; with a fixed
-    tree size per sequence the trees, hence the draws, are the same whatever the neighbours."""
+    """Each sequence draws with its own seed's position-keyed uniforms, as Decoder does alone; the shared
+    budget splits a pass between the sequences, so each tree's size depends on the batch (1 to 4 slots),
+    and the answers must not."""
     samplings = [SamplingConfig(temperature=0.9, top_p=0.95, seed=seed) for seed in (1, 2, 3, 4, 5)]
     reference = [alone(pair, p, m, budget, s).token_ids for p, m, s in zip(PROMPTS, MAX_NEW, samplings)]
     for slots in (1, 4):
-        results, _, _ = batched(pair, requests(samplings), slots, budget)
+        results, _, _ = batched(pair, requests(samplings), slots, 4 * budget, shared=FixedShare)
         assert [r.token_ids for r in results] == reference, slots
+    other_seeds = [SamplingConfig(temperature=0.9, top_p=0.95, seed=seed) for seed in (6, 7, 8, 9, 10)]
+    results, _, _ = batched(pair, requests(other_seeds), 4, 4 * budget, shared=FixedShare)
+    assert [r.token_ids for r in results] != reference     # the seed matters
 
 
 def test_long_prompts_prefill_in_chunks_alongside_decoding(pair):

@@ -228,3 +228,19 @@ def test_the_shipped_quick_run_has_every_section_and_no_machine_paths():
             assert not re.search(r"/(root|home|work|tmp)/", text), path.name
         else:
             assert path.suffix == ".png" and path.read_bytes()[:8] == PNG
+
+
+def test_batch_rows_are_one_series_per_tier_and_mode():
+    """A sweep over two tiers and two modes is four lines and four ratios, never one mixed series."""
+    from bench.figures import batch_series, engine_rows, ratio_rows
+    rows = [{"tier": tier, "mode": mode, "batch_size": size, "tokens_per_second": base * size}
+            for tier, base in (("ram", 3.0), ("disk", 1.0)) for mode in ("autoregressive", "speculative")
+            for size in (4, 1)]
+    batch = {"rows": rows, "summary": {"speculative_vs_autoregressive": {"disk": 0.97}}}
+    series = batch_series(batch)
+    assert series["disk, speculative"] == [(1, 1.0), (4, 4.0)] and len(series) == 4
+    ratios = {r["ratio"]: r["value"] for r in ratio_rows({"batch": batch})}
+    assert ratios["batched 4 / batch 1 (ram, autoregressive), tok/s"] == 4.0
+    assert ratios["best batched speculative / best batched autoregressive (disk), tok/s"] == 0.97
+    engines = [r["engine"] for r in engine_rows({"batch": batch})]
+    assert "specstream batched, ram, speculative, 4 sequences" in engines and len(engines) == 4

@@ -181,3 +181,44 @@ def test_presence_and_frequency_penalties_follow_the_counts():
 def test_openai_penalties_out_of_range_are_refused(name):
     with pytest.raises(ValueError, match=name.replace("_", " ")):
         SamplingConfig(**{name: 2.5})
+
+
+# position-keyed draws (what the decoders use) ----------------------------------------------------------
+
+def test_position_draws_are_a_pure_function_of_seed_and_position():
+    from spec.sampling import PositionDraws
+    a, b = PositionDraws(7), PositionDraws(7)
+    assert a.uniforms(0, 50, CPU).tolist() == b.uniforms(0, 50, CPU).tolist()
+    assert a.uniforms(10, 5, CPU).tolist() == a.uniforms(0, 15, CPU)[10:].tolist()   # any window, same values
+    assert a.uniforms(0, 50, CPU).tolist() != PositionDraws(8).uniforms(0, 50, CPU).tolist()
+    many = PositionDraws(3).uniforms(0, 20000, CPU)
+    assert bool(((many >= 0) & (many < 1)).all())
+    # uniform on [0, 1): every tenth holds 10% +- 1% (5 sigma) of the draws; neighbours uncorrelated
+    shares = torch.bincount((many * 10).long(), minlength=10).double() / len(many)
+    assert float((shares - 0.1).abs().max()) < 0.011
+    assert abs(float(torch.corrcoef(torch.stack((many[:-1], many[1:])))[0, 1])) < 0.03
+    with pytest.raises(ValueError, match="start at 0"):
+        a.uniform(-1)
+
+
+def test_sample_at_follows_the_distribution_and_never_a_filtered_token():
+    from spec.sampling import sample_at
+    n = 20000
+    uniforms = torch.rand(n, dtype=torch.float64, generator=_gen(5))
+    draws = sample_at(LOGITS.expand(n, -1), SamplingConfig(temperature=1.0), uniforms)
+    freq = torch.bincount(draws, minlength=len(P)).double() / n
+    assert float((freq - P.double()).abs().max()) < 5 * math.sqrt(0.25 / n)
+    filtered = SamplingConfig(temperature=1.0, top_p=0.7)
+    assert set(sample_at(LOGITS.expand(n, -1), filtered, uniforms).unique().tolist()) == {1, 3, 4}
+    edges = torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64)    # the extreme uniforms stay in range
+    assert sample_at(LOGITS.expand(2, -1), filtered, edges).tolist() == [1, 4]
+    assert torch.equal(sample_at(LOGITS.expand(3, -1), SamplingConfig(), None), LOGITS.expand(3, -1).argmax(-1))
+    with pytest.raises(ValueError, match="one uniform per row"):
+        sample_at(LOGITS.expand(3, -1), filtered, uniforms[:2])
+
+
+def test_make_draws_is_none_when_greedy_and_seeded_when_asked():
+    from spec.sampling import make_draws
+    assert make_draws(SamplingConfig()) is None
+    assert make_draws(SamplingConfig(temperature=1.0, seed=5)).seed == 5
+    assert make_draws(SamplingConfig(temperature=1.0)).seed != make_draws(SamplingConfig(temperature=1.0)).seed

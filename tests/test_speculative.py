@@ -148,8 +148,8 @@ def test_greedy_speculation_on_cuda_equals_target_greedy(pairs, tier):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_penalized_and_sampled_speculation_on_cuda(pairs):
-    """Penalties (host ids against device logits) equal one-token decoding on the GPU; sampling with a
-    seeded device generator repeats itself and gives in-vocabulary tokens."""
+    """Penalties (host ids against device logits) equal one-token decoding on the GPU; seeded sampling
+    repeats itself, gives in-vocabulary tokens and the same answer without a draft."""
     target_folder, close, _ = pairs(2)
     target, draft = load_pair(target_folder, close, device="cuda")
     for penalties in PENALTIES:
@@ -160,7 +160,20 @@ def test_penalized_and_sampled_speculation_on_cuda(pairs):
     sampled = SamplingConfig(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.2)
     first, again = (decode(target, draft, PROMPTS[0], 16, sampling=sampled)[1] for _ in range(2))
     assert first.token_ids == again.token_ids and all(0 <= t < VOCAB for t in first.token_ids)
+    assert decode(target, None, PROMPTS[0], 1, sampling=sampled)[1].token_ids == first.token_ids
     target.layers.close()
+
+
+def test_seeded_sampling_gives_the_same_answer_whatever_the_tree(pairs):
+    """Draws are keyed by answer position: no draft, small trees and large trees emit the same tokens."""
+    target_folder, close, _ = pairs(0)
+    target, draft = load_pair(target_folder, close)
+    sampled = SamplingConfig(temperature=0.9, top_p=0.95, seed=11, repetition_penalty=1.1)
+    _, alone = decode(target, None, PROMPTS[0], 1, max_new=30, sampling=sampled)
+    for budget in (4, 32):
+        _, result = decode(target, draft, PROMPTS[0], budget, max_new=30, sampling=sampled)
+        assert result.token_ids == alone.token_ids, budget
+        assert result.stats.tokens_per_pass > 1.2, budget       # the trees did accept tokens
 
 
 def test_speculation_accepts_tokens_from_a_good_draft(pairs):
