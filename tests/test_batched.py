@@ -77,6 +77,36 @@ def test_a_packed_pass_over_two_slots_gives_each_sequence_its_own_logits(pair):
     assert cache.lengths == [2, 0, 5] and cache.pending == [[], [], []]
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_attention_block_by_block_equals_one_masked_attention(pair, monkeypatch, split):
+    """Past SPLIT_MIN_SAVED the layer attends per sequence over its own keys; both ways give each
+    sequence the logits of its own pass alone, and the cache says which way it went."""
+    import offload.model.slots as slots_module
+    monkeypatch.setattr(slots_module, "SPLIT_MIN_SAVED", 0 if split else 1 << 40)
+    model = pair[0].model
+    prompts = [[3, 9, 27, 5, 8, 1, 4], [11, 2, 40], [6, 6, 7, 30]]
+    cache = SlotCache(model.config, 4, CONTEXT, model.device, model.dtype)
+    cache.begin([(3, 7), (1, 3), (0, 4)])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])[None]
+    mask = block_mask([causal_mask(0, len(p), model.device) for p in prompts])
+    packed = model.forward(torch.tensor([sum(prompts, [])]), cache, positions, mask).logits[0]
+    assert cache.segments() == ([(0, 7, 0, 7), (7, 10, 7, 10), (10, 14, 10, 14)] if split else None)
+    start = 0
+    for ids in prompts:
+        alone_logits = model.forward(torch.tensor([ids]), model.new_cache(CONTEXT)).logits[0]
+        torch.testing.assert_close(packed[start:start + len(ids)], alone_logits, rtol=1e-5, atol=1e-5)
+        start += len(ids)
+
+
+def test_a_pass_splits_its_attention_only_where_that_saves_enough():
+    from offload.model.slots import SPLIT_MIN_SAVED, _worth_splitting
+    decode_step = [(i, i + 1, 300 * i, 300 * (i + 1)) for i in range(16)]     # 16 x 1 token over 300 keys
+    assert not _worth_splitting(decode_step)            # 72k entries saved: not worth 15 more calls
+    trees = [(64 * i, 64 * (i + 1), 364 * i, 364 * (i + 1)) for i in range(16)]   # 16 trees of 64 tokens
+    assert _worth_splitting(trees) and 1024 * 5824 - 16 * 64 * 364 > 15 * SPLIT_MIN_SAVED
+    assert not _worth_splitting(trees[:1])
+
+
 @pytest.mark.parametrize("budget", [1, 8])
 @pytest.mark.parametrize("slots", [1, 2, 3, 5])
 def test_greedy_answers_in_a_batch_equal_their_answers_alone(pair, budget, slots):

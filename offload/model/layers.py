@@ -44,8 +44,14 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
         k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                         enable_gqa=config.num_heads != config.num_kv_heads)
+    gqa = config.num_heads != config.num_kv_heads
+    segments = cache.segments() if hasattr(cache, "segments") else None   # a slot cache's per-sequence blocks
+    if segments is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+    else:   # the mask is block-diagonal: each block attends over its own keys only, same values
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1],
+                                                        attn_mask=mask[..., q0:q1, k0:k1], enable_gqa=gqa)
+                         for q0, q1, k0, k1 in segments], dim=2)                # [B, H, N, D]
     return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
 
 

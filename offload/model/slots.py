@@ -7,6 +7,11 @@ has position i), then the pending ones. A packed pass concatenates the new token
 same order ([1, KVH, S, D], S = the sum of each slot's committed + pending + new rows), and the caller's
 block mask [N, S] lets each token see only its own slot. The forward reads this cache exactly as it reads
 a KVCache (reserve, num_slots, key_positions, append), so one forward serves one sequence and many.
+
+One attention over the packed pass costs N x S score entries, B times the sum of n_i x s_i its blocks
+need when B similar sequences share it. `segments()` gives the blocks (query rows, key rows) of a pass
+where attending block by block saves more than a kernel call costs; the layer then runs one attention
+per sequence over its own keys alone.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ from torch import Tensor
 
 from offload.model.config import ModelConfig
 from offload.model.kvcache import CacheFullError
+
+# score entries (query x key) a pass must save per extra attention call before it attends block by block
+SPLIT_MIN_SAVED = 1 << 17
 
 
 class SlotCache:
@@ -33,6 +41,7 @@ class SlotCache:
         self._pass: list[tuple[int, int]] = []                         # (slot, new tokens) of the next pass
         self._write_rows: Tensor | None = None                         # [N] store rows of the pass's tokens
         self._read_rows: Tensor | None = None                          # [S] store rows the pass attends over
+        self._segments: list[tuple[int, int, int, int]] | None = None   # per sequence: query rows, key rows
 
     @property
     def num_bytes(self) -> int:
@@ -62,7 +71,7 @@ class SlotCache:
             raise ValueError(f"pass of {num_new} tokens does not match the layout {self._pass}")
         flat = positions.reshape(-1).tolist()
         base = torch.arange(self.max_length)
-        writes, reads, offset = [], [], 0
+        writes, reads, offset, segments = [], [], 0, []
         for slot, count in self._pass:
             if not keep_pending:
                 self.pending[slot] = []
@@ -72,10 +81,18 @@ class SlotCache:
             self.pending[slot].extend(flat[offset:offset + count])
             writes.append(slot * self.max_length + base[start:end])
             reads.append(slot * self.max_length + base[:end])
+            key_start = segments[-1][3] if segments else 0
+            segments.append((offset, offset + count, key_start, key_start + end))
             offset += count
+        self._segments = segments if _worth_splitting(segments) else None
         device = self.keys.device
         self._write_rows = torch.cat(writes).to(device)
         self._read_rows = torch.cat(reads).to(device)
+
+    def segments(self) -> list[tuple[int, int, int, int]] | None:
+        """Per sequence of the reserved pass, (first query, end query, first key, end key) in packed order
+        when attending block by block pays; None: one attention over all keys under the block mask."""
+        return self._segments
 
     def key_positions(self) -> Tensor:
         """[1, S] the position of every key the pass attends over."""
@@ -117,6 +134,14 @@ class SlotCache:
             raise ValueError(f"truncate length must lie in [0, {self.lengths[slot]}], got {length}")
         self.lengths[slot] = length
         self.pending[slot] = []
+
+
+def _worth_splitting(segments: list[tuple[int, int, int, int]]) -> bool:
+    if len(segments) < 2:
+        return False
+    num_queries, num_keys = segments[-1][1], segments[-1][3]
+    needed = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in segments)
+    return num_queries * num_keys - needed > SPLIT_MIN_SAVED * (len(segments) - 1)
 
 
 def block_mask(blocks: Sequence[Tensor]) -> Tensor:
