@@ -29,6 +29,7 @@ from offload.loader import streaming_device_budget
 from offload.stream import PassStats
 from spec import DecodeConfig, Decoder, SamplingConfig
 from bench.quant_bench import dequantize_seconds
+from bench.start_bench import run_start_bench
 
 PROMPT = "Explain how a hash table handles collisions, with a short example in Python."
 MAX_CONTEXT, MAX_PASS_TOKENS = 512, 128
@@ -75,8 +76,12 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = l
             measured.setdefault(name, []).append(_measure(model, dtype, name, config, on_status, ahead))
     rows = [_median_row(rows) for rows in measured.values()]
     _add_ratios(rows)
-    return {"bench": "quant-disk", "new_tokens": config.new_tokens, "rounds": config.rounds, "prompt": config.prompt,
-            "rows": rows}
+    result = {"bench": "quant-disk", "new_tokens": config.new_tokens, "rounds": config.rounds,
+              "prompt": config.prompt, "rows": rows}
+    if config.gguf_in_place:
+        on_status("start: load + first forward, in place vs the import")
+        result["start"] = run_start_bench(config.target, config.rounds)
+    return result
 
 
 def _median_row(rows: list[dict]) -> dict:

@@ -1,7 +1,8 @@
 """The synthetic GGUF of `bench stream --synthetic-gguf`: a tiny one loads in place and one streamed
-pass moves exactly the file's decoder-layer bytes."""
+pass moves exactly the file's decoder-layer bytes; the start bench times it in place and imported."""
 from __future__ import annotations
 
+from bench.start_bench import run_start_bench
 from bench.stream_bench import run_stream_bench
 from bench.synthetic_gguf import SYNTHETIC_TYPES, SyntheticShape, layer_bytes, synthetic_gguf
 from offload.weights.gguf_header import read_header
@@ -25,3 +26,13 @@ def test_synthetic_gguf_streams_its_layer_bytes(tmp_path, monkeypatch):
     assert result["passes"][0]["bytes_streamed"] == file_layer_bytes
     assert result["passes"][0]["decode_seconds"] > 0
     assert synthetic_gguf(qtype, TINY, folder=tmp_path) == path     # cached: written once
+
+    # `bench quant-disk --gguf`'s start figures, on the same file: in place and import, each loaded and answered
+    start = run_start_bench(str(path), rounds=1)
+    rows = start["seconds"]
+    assert set(rows) == {"gguf-in-place", "gguf-import"}
+    for row in rows.values():
+        assert 0 < row["load"] <= row["load_and_first_forward"]
+    expected = rows["gguf-in-place"]["load_and_first_forward"] / rows["gguf-import"]["load_and_first_forward"]
+    assert abs(start["in_place_over_import_load_and_first_forward"] - expected) < 0.01
+

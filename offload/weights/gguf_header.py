@@ -26,6 +26,9 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
+_LENGTH = struct.Struct("<Q")
+
+
 class CorruptGgufError(ValueError):
     """A GGUF file is truncated, or its header contradicts itself; the message names file and tensor."""
 
@@ -111,13 +114,22 @@ class _Cursor:
             self.pos += size
             return values.tolist() if count <= 64 else values
         if item_type == 8:  # token lists: skipped (the tokenizer files are written once from gguf's reader)
-            for _ in range(count):
-                length = self.take("<Q")
-                self.pos += length
-            if self.pos > len(self.data):
-                raise CorruptGgufError(f"{self.path}: the header is truncated (a string array runs past the end)")
+            self.pos = self._skip_strings(count)
             return count
         return [self.value(item_type) for _ in range(count)]
+
+
+    def _skip_strings(self, count: int) -> int:
+        """The position after `count` strings from here (a tight loop: token lists hold 100k+ strings)."""
+        data, pos, length_at = self.data, self.pos, _LENGTH.unpack_from
+        try:
+            for _ in range(count):
+                pos += 8 + length_at(data, pos)[0]
+        except struct.error:
+            pos = len(data) + 1
+        if pos > len(data):
+            raise CorruptGgufError(f"{self.path}: the header is truncated (a string array runs past the end)")
+        return pos
 
 
 def read_header(path: str | Path) -> GgufHeader:
