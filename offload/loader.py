@@ -124,6 +124,15 @@ class Engine:
     global_bytes: int
 
 
+# One packed layer's decode time over its transfer time, by device (is CUDA), for the planner's choice of
+# resident form. CPU: None, resident layers stay decoded: Q4_K decodes at 0.7 GB/s of packed bytes on 2
+# cores against a 17-20 GB/s RAM copy (bench/results/stream_gguf.json), so a packed resident layer saves a
+# few percent of a streamed one's cost and a decoded one saves it all. CUDA: assumed (torch decoding on the
+# GPU outruns a 25 GB/s link several times) until the GPU session measures it; at 0.25 a 70B Q4_K_M keeps
+# 20 layers packed on 24 GiB instead of 7 decoded.
+DECODE_VS_TRANSFER: dict[bool, float | None] = {False: None, True: 0.25}
+
+
 def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     """Device and dtype chosen once here; the planner places the layers; the ring streams them."""
     keep_freed_host_memory()
@@ -144,6 +153,7 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
     # into a dense workspace per ring slot
     dense_bytes = source.dense_layer_bytes(dtype) if hasattr(source, "dense_layer") else 0
     return PlanRequest(
+        decode_vs_transfer=DECODE_VS_TRANSFER[device.type == "cuda"],
         config=source.config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
         resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes,
         device_budget=options.gpu_mem or default_device_budget(device),
@@ -156,7 +166,8 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
 def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device: torch.device,
                   dtype: torch.dtype, options: LoadOptions) -> StreamingLayers:
     tier_of = plan.tier_of
-    decode_once = getattr(source, "dense_layer", None)   # resident layers decoded at load, not at every use
+    # resident layers decoded at load, not at every use, unless the plan keeps them packed
+    decode_once = None if plan.request.resident_packed else getattr(source, "dense_layer", None)
     resident = {i: decode_once(i, device, dtype) if decode_once else to_device(source.layer(i), device, dtype)
                 for i, t in enumerate(tier_of) if t == "device"}
     ram_layers = [i for i, t in enumerate(tier_of) if t == "ram"]
@@ -166,9 +177,21 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=lambda index, stored: stored if decode_once and tier_of[index] == "device"
-                           else source.decode_layer(index, stored, dtype),
+                           decode=_decoder(source, tier_of, dtype, decode_once is not None, plan.request.resident_packed),
                            decode_ahead=options.decode_ahead)
+
+
+def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool,
+             resident_packed: bool):
+    """The ring's decode: resident decoded layers as they are; resident packed ones into the one workspace
+    they share (a layer is released before the next one is decoded); streamed ones per ring slot."""
+    def decode(index: int, stored: dict) -> dict:
+        if tier_of[index] == "device" and resident_decoded:
+            return stored
+        if tier_of[index] == "device" and resident_packed:
+            return source.decode_layer(index, stored, dtype, shared=True)
+        return source.decode_layer(index, stored, dtype)
+    return decode
 
 
 def stop_token_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:

@@ -45,6 +45,11 @@ class PlanRequest:
     ring_decode_bytes: int = 0     # a ring slot's dense decode workspace (packed formats decoded per layer)
     decode_workspace_bytes: int = 0  # one dense layer a format decoded at every use (SpQR) writes, reused
     num_sequences: int = 1         # sequences decoded together: a KV cache slot of max_context tokens each
+    # A source that can decode resident layers once (resident_layer_bytes > layer_bytes) may instead keep
+    # them packed and decode each at every use, into one shared dense workspace: more layers fit on the
+    # device, each costs a decode per pass. decode_vs_transfer: one layer's decode time over the time its
+    # packed bytes take to stream (make_plan's only speed input); None: never kept packed.
+    decode_vs_transfer: float | None = None
 
     @property
     def device_layer_bytes(self) -> int:
@@ -59,6 +64,17 @@ class PlanRequest:
                      "num_sequences"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"plan {name} must be positive, got {getattr(self, name)}")
+        if self.decode_vs_transfer is not None and not self.decode_vs_transfer >= 0:
+            raise ValueError(f"plan decode_vs_transfer must be >= 0, got {self.decode_vs_transfer}")
+
+    @property
+    def can_keep_resident_packed(self) -> bool:
+        return self.decode_vs_transfer is not None and self.resident_layer_bytes > self.layer_bytes
+
+    @property
+    def resident_packed(self) -> bool:
+        """Device layers of a decode-once source kept packed, decoded into the shared workspace at each use."""
+        return not self.resident_layer_bytes and bool(self.decode_workspace_bytes and self.ring_decode_bytes)
 
 
 @dataclass(slots=True)
@@ -171,13 +187,37 @@ def streaming_budget(request: PlanRequest, resident_layers: int = 0) -> int:
 
 
 def make_plan(request: PlanRequest) -> Plan:
+    """Layers on the device first, then RAM, then disk. A source that decodes resident layers once gets
+    whichever resident form (decoded once, or packed and decoded at each use) costs less per pass."""
+    plan = _make_plan(request)
+    if not request.can_keep_resident_packed or all(t == "device" for t in plan.tier_of):
+        return plan
+    packed_request = replace(request, resident_layer_bytes=0, decode_workspace_bytes=request.resident_layer_bytes)
+    # (the dense workspace every resident packed layer decodes into, one for all of them)
+    try:
+        packed = _make_plan(packed_request)
+    except PlanError:
+        return plan
+    return packed if _pass_cost(packed) < _pass_cost(plan) else plan
+
+
+def _pass_cost(plan: Plan) -> float:
+    """A pass in units of one layer's packed transfer: each streamed layer moves and decodes, each resident
+    packed layer decodes, a resident decoded layer costs nothing (compute is the same in every plan)."""
+    request = plan.request
+    streamed = sum(t != "device" for t in plan.tier_of)
+    decoded_per_pass = len(plan.tier_of) - (plan.tier_of.count("device") if request.resident_layer_bytes else 0)
+    return streamed + decoded_per_pass * request.decode_vs_transfer
+
+
+def _make_plan(request: PlanRequest) -> Plan:
     cfg = request.config
     fixed = _fixed_items(request)
     fixed_bytes = sum(item.num_bytes for item in fixed)
     all_layers = cfg.num_layers * request.device_layer_bytes
     if fixed_bytes + all_layers <= request.device_budget:
-        return Plan(request, ["device"] * cfg.num_layers,
-                    fixed + [PlanItem(f"decoder layers 0-{cfg.num_layers - 1}", "device", all_layers)])
+        tier_of = ["device"] * cfg.num_layers
+        return Plan(request, tier_of, fixed + _layer_items(tier_of, request))
     ring = request.ring_size * request.ring_slot_bytes
     if fixed_bytes + ring > request.device_budget and request.num_sequences > 1:
         largest = largest_batch(request, request.num_sequences)
@@ -203,9 +243,13 @@ def _layer_items(tier_of: list[str], request: PlanRequest) -> list[PlanItem]:
     items, start = [], 0
     for index in range(1, len(tier_of) + 1):
         if index == len(tier_of) or tier_of[index] != tier_of[start]:
-            label = "streamed " if tier_of[start] != "device" else ""
+            where = f"streamed {tier_of[start]}" if tier_of[start] != "device" else "device"
+            if tier_of[start] == "device" and request.resident_layer_bytes:
+                where += ", decoded once"
+            elif tier_of[start] == "device" and request.resident_packed:
+                where += ", packed: decoded at each use"
             layer_bytes = request.device_layer_bytes if tier_of[start] == "device" else request.layer_bytes
-            items.append(PlanItem(f"decoder layers {start}-{index - 1} ({label}{tier_of[start]})",
+            items.append(PlanItem(f"decoder layers {start}-{index - 1} ({where})",
                                   tier_of[start], (index - start) * layer_bytes))
             start = index
     return items

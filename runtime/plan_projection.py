@@ -20,6 +20,7 @@ from pathlib import Path
 from offload.devices import DTYPES
 from offload.model.config import ModelConfig
 from offload.pass_model import GpuPreset, MeasuredPassCurve, PassModelInputs, pass_breakdown
+from offload.loader import DECODE_VS_TRANSFER
 from offload.planner import Plan, PlanRequest, format_bytes, request_from_config
 from offload.weights.sizes import (LLAMA_CPP_BASE_TYPES, WeightBytes, dtype_weight_bytes, gguf_weight_bytes,
                                    llama_cpp_weight_bytes, spqr_weight_bytes)
@@ -59,14 +60,16 @@ def request_for_weights(config: ModelConfig, weights: WeightBytes, dtype_bytes: 
                         max_tree: int = 2048, ring_size: int = 2, device_is_cpu: bool = False) -> PlanRequest:
     """A plan request with decoder layers as `weights` stores and streams them; globals, KV cache and
     activations in the compute dtype (`dtype_bytes`). Packed layers need a dense layer to decode into:
-    GGUF in place keeps resident layers dense and one dense workspace per ring slot (as the loader plans
-    GgufSource); a format decoded at every use (SpQR) one dense workspace."""
+    GGUF in place keeps resident layers dense (or packed, where the planner finds that cheaper) and one dense
+    workspace per ring slot (as the loader plans GgufSource); a format decoded at every use (SpQR) one dense
+    workspace."""
     base = request_from_config(config, dtype_bytes, device_budget, host_budget, draft, max_context, max_tree,
                                ring_size, device_is_cpu)
     dense = config.layer_param_count * dtype_bytes
     extra = {}
     if weights.resident_dense:
-        extra = dict(resident_layer_bytes=dense, ring_decode_bytes=dense)
+        extra = dict(resident_layer_bytes=dense, ring_decode_bytes=dense,
+                     decode_vs_transfer=DECODE_VS_TRANSFER[not device_is_cpu])
     elif weights.is_packed:
         extra = dict(decode_workspace_bytes=dense)
     return replace(base, layer_bytes=weights.streamed_layer_bytes, **extra)

@@ -51,10 +51,11 @@ def _blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.nd
     return data.reshape(shape[0], -1) if len(shape) > 1 else data
 
 
-def write_tiny_gguf(path: Path, *, heads: int = HEADS, kv_heads: int = KV_HEADS, block_count: int = LAYERS,
-                    types: dict[str, Q] | None = None, seed: int = 0) -> Path:
-    """A tiny llama GGUF of random blocks, LAYERS layers of HEADS heads whatever the metadata says (`heads`,
-    `kv_heads`, `block_count`). `types` overrides a tensor's type (GGUF name -> type)."""
+def write_tiny_gguf(path: Path, *, heads: int = HEADS, kv_heads: int = KV_HEADS, block_count: int | None = None,
+                    types: dict[str, Q] | None = None, seed: int = 0, layers: int = LAYERS) -> Path:
+    """A tiny llama GGUF of random blocks, `layers` layers of HEADS heads whatever the metadata says (`heads`,
+    `kv_heads`, `block_count`, default `layers`). `types` overrides a tensor's type (GGUF name -> type)."""
+    block_count = layers if block_count is None else block_count
     tokens, token_types, merges = _tokenizer()
     rng, types = np.random.default_rng(seed), types or {}
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -72,7 +73,7 @@ def write_tiny_gguf(path: Path, *, heads: int = HEADS, kv_heads: int = KV_HEADS,
     writer.add_eos_token_id(2)
     tensors = {GGUF_GLOBAL_NAMES["embed"]: ((len(tokens), HIDDEN), Q.Q8_0),
                GGUF_GLOBAL_NAMES["norm"]: ((HIDDEN,), Q.F32), GGUF_GLOBAL_NAMES["lm_head"]: ((len(tokens), HIDDEN), Q.Q6_K)}
-    for i in range(LAYERS):
+    for i in range(layers):
         for j, (name, shape) in enumerate(_layer_shapes().items()):
             qtype = Q.F32 if len(shape) == 1 else MATRIX_TYPES[(i + j) % len(MATRIX_TYPES)]
             tensors[f"blk.{i}.{GGUF_LAYER_NAMES[name]}"] = (shape, qtype)
@@ -181,6 +182,33 @@ def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tin
         assert torch.isfinite(expected).all() and torch.equal(got, expected)
     assert streamed.layers.total.bytes_by_tier["disk"] == 4 * layer_bytes
     streamed.layers.close()
+
+
+def test_resident_layers_kept_packed_decode_at_each_use_to_the_dense_reference(tmp_path, cache, monkeypatch):
+    """Where decoding costs less than streaming (DECODE_VS_TRANSFER), the planner keeps resident layers
+    packed (more of them fit) and one shared workspace takes each at its use: same logits, pass after pass."""
+    import offload.loader
+    path = write_tiny_gguf(tmp_path / "eight.gguf", layers=8)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "config.json").write_text((resolve_model(str(path)) / "config.json").read_text())
+    write_safetensors(reference / "model.safetensors", reference_tensors(path))
+    dense = build_engine(CheckpointSource(reference), _options(str(reference)))
+    options = _options(str(path), ring_size=1)
+    options.gpu_mem = streaming_device_budget(options, resident_layers=2)     # room for two decoded layers
+    decoded = load_model(options)
+    assert decoded.plan.tier_of.count("device") == 2 and not decoded.plan.request.resident_packed
+    monkeypatch.setitem(offload.loader.DECODE_VS_TRANSFER, False, 0.1)
+    packed = load_model(options)
+    assert packed.plan.request.resident_packed and packed.plan.tier_of.count("device") > 2
+    assert any("packed: decoded at each use" in item.component for item in packed.plan.items), packed.plan.items
+    assert packed.layers.resident[0]["q"].dtype == torch.uint8            # held as the file's blocks
+    ids = torch.randint(0, packed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
+    for _ in range(2):
+        assert torch.equal(packed.model.forward(ids, packed.model.new_cache(16)).logits, expected)
+    for model in (decoded, packed):
+        model.layers.close()
 
 
 # damaged files --------------------------------------------------------------------------------------

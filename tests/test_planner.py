@@ -109,3 +109,25 @@ def test_cli_plan_too_small_is_one_line():
     result = _cli("plan", "--target", str(CONFIGS / "qwen2.5-72b"), "--gpu-mem", "4GiB", "--ram", "64GiB",
                   "--device", "cuda", "--link-gbps", "25", "--disk-gbps", "3")
     assert result.returncode == 2 and "at least" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_resident_layers_kept_packed_only_where_that_costs_less_per_pass():
+    """A decode-once source (decoded layer 3x its packed bytes): the planner compares, in units of one
+    layer's transfer, streamed layers (transfer + decode each) plus resident packed ones (decode each)."""
+    from dataclasses import replace
+    config = ModelConfig.from_file(CONFIGS / "llama-3.1-70b")
+    base = request_from_config(config, 2, 24 * GIB, 64 * GIB)
+    packed_bytes = base.layer_bytes // 3
+    request = replace(base, layer_bytes=packed_bytes, resident_layer_bytes=base.layer_bytes,
+                      ring_decode_bytes=base.layer_bytes)
+    never = make_plan(request)                                        # decode_vs_transfer None: decoded once
+    decoded = never.tier_of.count("device")
+    assert not never.request.resident_packed and decoded > 0
+    cheap = make_plan(replace(request, decode_vs_transfer=0.25))
+    packed = cheap.tier_of.count("device")
+    assert cheap.request.resident_packed and packed > 2 * decoded
+    # by hand: decoded costs (80 - d)(1 + r), packed (80 - p) + 80 r; at r = 0.25 packed wins
+    assert (80 - packed) + 80 * 0.25 < (80 - decoded) * 1.25
+    slow = make_plan(replace(request, decode_vs_transfer=10.0))       # decode far dearer than transfer
+    assert not slow.request.resident_packed and slow.tier_of == never.tier_of
+    assert (80 - packed) + 80 * 10 > (80 - decoded) * 11

@@ -58,7 +58,7 @@ class GgufSource:
         self._layout = self._packed_layout()
         with open(self.path, "rb") as handle:   # copy-on-write: tensors are views, the file is never written
             self._map = mmap.mmap(handle.fileno(), header.file_size, access=mmap.ACCESS_COPY)
-        self._workspaces: dict[tuple[int, torch.dtype], dict[str, Tensor]] = {}
+        self._workspaces: dict[tuple, dict[str, Tensor]] = {}   # per ring slot, and one for resident packed layers
 
     def _info(self, gguf_name: str, shape: tuple[int, ...] | None) -> GgufTensorInfo:
         info = self._tensors.get(gguf_name)
@@ -123,13 +123,17 @@ class GgufSource:
     def layout(self, dtype: torch.dtype) -> LayerLayout:
         return self._layout
 
-    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype,
+                     shared: bool = False) -> dict[str, Tensor]:
         """A ring slot's packed layer -> dense tensors in `dtype`, written into that slot's workspace (valid
-        until the slot holds its next layer, which the ring never loads before this one is released)."""
+        until the slot holds its next layer, which the ring never loads before this one is released).
+        `shared`: a resident packed layer, decoded into the one workspace all of them share on its device
+        (valid until the next resident layer's decode)."""
         first = next(iter(stored.values()))
-        workspace = self._workspaces.get((first.data_ptr(), dtype))
+        key = ("resident", first.device, dtype) if shared else (first.data_ptr(), dtype)
+        workspace = self._workspaces.get(key)
         if workspace is None:
-            workspace = self._workspaces[(first.data_ptr(), dtype)] = self._empty_layer(first.device, dtype)
+            workspace = self._workspaces[key] = self._empty_layer(first.device, dtype)
         return self._decode(index, stored, workspace)
 
     def file_paths(self) -> list[Path]:
