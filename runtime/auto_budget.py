@@ -1,5 +1,6 @@
 """`--budget auto`: the target's pass time by tree size, measured once per model, plan and machine (cached
-on disk), feeds the chooser that sizes every tree for the most accepted tokens per second."""
+on disk), feeds the chooser that sizes every tree for the most accepted tokens per second. `--batch-size
+auto` reads the same curve: the batch past which more sequences add latency rather than throughput."""
 from __future__ import annotations
 
 import time
@@ -8,20 +9,38 @@ import torch
 
 from offload import LoadedModel
 from offload.weights.gguf_import import cache_root
-from spec.budget import BudgetChooser, load_curve, probe_pass_times, save_curve
+from spec.budget import BudgetChooser, PassTimeCurve, load_curve, probe_pass_times, save_curve
 
 
 def auto_budget(target: LoadedModel, max_budget: int, on_status=None) -> BudgetChooser:
-    key = curve_key(target, max_budget)
+    return BudgetChooser(pass_time_curve(target, max_budget, on_status), max_budget)
+
+
+def pass_time_curve(target: LoadedModel, max_tokens: int, on_status=None) -> PassTimeCurve:
+    """The target's pass seconds by tokens per pass up to `max_tokens`: cached, else measured once."""
+    key = curve_key(target, max_tokens)
     folder = cache_root() / "pass_times"
     curve = load_curve(key, folder)
     if curve is None:
         if on_status:
-            on_status("measuring the target's pass time by tree size (once for this model, plan and machine)")
-        scratch = target.model.new_cache(max_budget)
-        curve = probe_pass_times(lambda n: _pass_seconds(target, scratch, n), max_budget)
+            on_status("measuring the target's pass time by tokens per pass (once for this model, plan and machine)")
+        scratch = target.model.new_cache(max_tokens)
+        curve = probe_pass_times(lambda n: _pass_seconds(target, scratch, n), max_tokens)
         save_curve(key, curve, folder)
-    return BudgetChooser(curve, max_budget)
+    return curve
+
+
+def throughput_batch(curve: PassTimeCurve, largest: int) -> int:
+    """The batch (1..largest) that sequences keep joining while each adds at least half a sequence's
+    throughput, one new token per sequence per pass: the b-th joins while (b - 1/2) / t(b) >= (b - 1) / t(b - 1),
+    i.e. while a pass grows by at most (b - 1/2) / (b - 1) with it. A flat pass time (streamed weights)
+    takes the largest batch; one proportional to its tokens (compute-bound) gains nothing from batching."""
+    if largest < 1:
+        raise ValueError(f"the largest batch must be >= 1, got {largest}")
+    for size in range(2, largest + 1):
+        if (size - 0.5) / curve.seconds(size) < (size - 1) / curve.seconds(size - 1):
+            return size - 1
+    return largest
 
 
 def curve_key(target: LoadedModel, max_budget: int) -> dict:

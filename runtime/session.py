@@ -11,9 +11,9 @@ from offload.devices import choose_device, choose_dtype
 from offload.planner import PlanError
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
-from spec.budget import check_budget
+from spec.budget import BudgetChooser, check_budget
 from spec.draft import is_draft_folder, load_draft
-from .auto_budget import auto_budget
+from .auto_budget import auto_budget, pass_time_curve, throughput_batch
 from .models import load_model, weight_formats
 from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for)
 from .stop import HeldBackText, StopStrings
@@ -91,6 +91,7 @@ class Session:
         self.policy = self._policy()
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator,
                                self._budget(max_budget, on_status), self.policy)
+        self.batch_size = self._fitted_batch_size(on_status)
 
     def _load_target(self, max_budget: int, on_status, on_progress) -> tuple[LoadedModel, int]:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
@@ -118,9 +119,15 @@ class Session:
         cap = min(self.config.max_batch, AUTO_MAX_BATCH[choose_device(self.config.device).type])
         return max(1, largest_batch_for(options, cap))
 
-    @property
-    def batch_size(self) -> int:
-        return self.options.num_sequences
+    def _fitted_batch_size(self, on_status) -> int:
+        """The batch the plan sized, or under auto the part of it that still adds throughput on the measured
+        pass-time curve (the budget chooser's, else measured once up to the plan's batch)."""
+        planned = self.options.num_sequences
+        if self.config.batch_size is not None or planned == 1:
+            return planned
+        budget = self.decoder.budget
+        curve = budget.curve if isinstance(budget, BudgetChooser) else pass_time_curve(self.target, planned, on_status)
+        return throughput_batch(curve, planned)
 
     @property
     def draft_path(self) -> Path | None:

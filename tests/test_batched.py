@@ -229,3 +229,17 @@ def test_run_batch_writes_each_line_as_its_request_ends_and_resumes(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in rows] == ["e", "3", "2", "1", "0"]
     assert rows[-1]["error"]["message"] == "too long" and summary.num_failed == 1
+
+
+def test_auto_batch_size_stops_where_more_sequences_add_no_throughput():
+    """By hand: t(B) = 0.7 + 0.3 B grows by 16/13 = 1.231 <= 5/4 at B = 3 and by 19/16 = 1.1875 > 7/6 at
+    B = 4: three sequences. A flat curve (streamed weights) takes the largest; a pass time proportional to its
+    tokens (compute-bound) gains nothing from batching."""
+    from runtime.auto_budget import throughput_batch
+    from spec.budget import PassTimeCurve
+    assert throughput_batch(PassTimeCurve([(1, 1.0), (16, 5.5)]), 16) == 3
+    assert throughput_batch(PassTimeCurve([(1, 1.0), (64, 1.0)]), 32) == 32
+    assert throughput_batch(PassTimeCurve([(1, 0.1), (32, 3.2)]), 32) == 1
+    assert throughput_batch(PassTimeCurve([(1, 1.0), (16, 5.5)]), 2) == 2
+    with pytest.raises(ValueError):
+        throughput_batch(PassTimeCurve([(1, 1.0)]), 0)
