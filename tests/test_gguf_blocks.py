@@ -159,3 +159,20 @@ def test_triton_q4_k_kernel_under_the_interpreter() -> None:
 def test_triton_q4_k_kernel_on_cuda() -> None:
     pytest.importorskip("triton")
     check_triton_q4_k("cuda")
+
+
+def test_a_failing_fused_kernel_warns_once_and_leaves_the_torch_path(monkeypatch):
+    """A Triton build that cannot compile here: one warning, then the torch decoder, never a crash."""
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(gguf_blocks, "_FUSED_FAILED", [])
+    monkeypatch.setattr(gguf_blocks, "_fused_q4_k", lambda: broken)
+    raw = torch.from_numpy(_packed(T.Q4_K, (2, 256)))
+    with pytest.warns(RuntimeWarning, match="fused Triton Q4_K kernel failed"):
+        assert gguf_blocks._try_fused_q4_k(raw, (2, 256), torch.float32, None) is None
+    assert gguf_blocks._try_fused_q4_k(raw, (2, 256), torch.float32, None) is None
+    assert len(calls) == 1

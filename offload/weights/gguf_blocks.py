@@ -1,6 +1,7 @@
 """Vectorized torch decoding of GGUF (ggml) tensors, bit-exact to gguf.quants.dequantize in float32.
 
-Runs on whatever device holds the raw bytes (CPU or CUDA), with no Python loop over blocks. Every
+Runs on whatever device holds the raw bytes (CPU or CUDA), with no Python loop over blocks; on CUDA,
+Q4_K goes through gguf_triton's fused kernel where Triton is installed (same bits, one launch). Every
 decoder repeats the float32 operation order of gguf's numpy reference: fp16 fields widened to f32,
 scale products (d * sc) rounded to f32 before they meet the quants, products before sums, never a
 fused multiply-add. Subtracting the integer offset (8, 16, 32) from a quant in f32 is exact, so it
@@ -19,6 +20,9 @@ Block layouts (little-endian bytes; d, m, dmin are fp16; q_i is element i of the
     Q6_K  ql[128] | qh[64] | scales[16] int8 | d      w = (d * sc_j) * (q - 32), sub-block j of 16
 """
 from __future__ import annotations
+
+import functools
+import warnings
 
 import numpy as np
 import torch
@@ -210,6 +214,10 @@ def dequantize(raw: Tensor, qtype: T, shape: tuple[int, ...], out_dtype: torch.d
         _check_out(out, shape, out_dtype, raw.device)
     if raw.data_ptr() % 4 != 0 or raw.storage_offset() % 4 != 0 or not raw.is_contiguous():
         raw = raw.clone(memory_format=torch.contiguous_format)                  # int32/f32 views need 4-byte alignment
+    if raw.is_cuda and qtype == T.Q4_K:
+        fused = _try_fused_q4_k(raw, shape, out_dtype, out)
+        if fused is not None:
+            return fused
     result = out if out is not None else torch.empty(shape, dtype=out_dtype, device=raw.device)
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks, targets = raw.reshape(-1, block_bytes), result.view(-1, block_size)   # [n, block_bytes], [n, block_size]
@@ -223,6 +231,34 @@ def dequantize(raw: Tensor, qtype: T, shape: tuple[int, ...], out_dtype: torch.d
         if workspace is not None:
             target.copy_(values)
     return result
+
+
+@functools.cache
+def _fused_q4_k():
+    """gguf_triton's Q4_K kernel, or None where Triton is not installed."""
+    try:
+        from offload.weights.gguf_triton import dequantize_q4_k
+    except (ImportError, RuntimeError):        # no Triton, or one that cannot initialise here
+        return None
+    return dequantize_q4_k
+
+
+_FUSED_FAILED: list[str] = []
+
+
+def _try_fused_q4_k(raw: Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, out: Tensor | None) -> Tensor | None:
+    """The fused kernel's output on CUDA (one launch, no f32 temporaries), or None: no Triton, or a kernel
+    that failed here once (then a one-line warning and the torch path from then on)."""
+    kernel = _fused_q4_k()
+    if kernel is None or _FUSED_FAILED:
+        return None
+    try:
+        return kernel(raw, shape, out_dtype, out)
+    except Exception as err:     # a Triton build that cannot compile for this GPU must not stop generation
+        _FUSED_FAILED.append(str(err))
+        warnings.warn(f"GGUF: the fused Triton Q4_K kernel failed ({type(err).__name__}: {str(err)[:200]}); "
+                      "decoding with torch instead", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _random_halves(count: int, is_signed: bool, generator: np.random.Generator) -> np.ndarray:
