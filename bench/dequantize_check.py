@@ -17,7 +17,7 @@ from offload.bandwidth import timed_seconds
 from offload.model.config import ModelConfig
 from quant.checkpoint import matrix_shapes
 from quant.packbits import packed_bytes
-from quant.spqr_format import STATS_RUN, SpqrMatrix, _fused_kernel
+from quant.spqr_format import FUSED, STATS_RUN, SpqrMatrix
 
 DENSE_BYTES = 2      # bf16, what the layer would stream unpacked
 
@@ -56,7 +56,7 @@ def spqr_check(config: ModelConfig, device: torch.device, link_gbps: float) -> d
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     matrices = [_random_spqr(shape, 4, device) for shape in matrix_shapes(config).values()]
     paths = {"torch": False}
-    if device.type == "cuda" and _fused_kernel() is not None:
+    if device.type == "cuda" and FUSED.module is not None:
         paths["fused"] = True
     result = {**_link_figures(sum(m.shape[0] * m.shape[1] for m in matrices), sum(m.num_bytes for m in matrices),
                               link_gbps), "fused_available": "fused" in paths}

@@ -9,16 +9,17 @@ Bits per parameter: b + 2 * stats_bits / g + 64 / (16 * g) + 32 * outlier share 
 """
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from offload.fused import OptionalKernel
+
 from .packbits import pack, packed_bytes, packed_codes, unpack
 
+FUSED = OptionalKernel("quant.spqr_triton", "SpQR")   # the Triton kernel, where it runs
 STATS_RUN = 16          # rows sharing one fp16 scale/zero for the second-level statistics
 PARTS = ("codes", "scale_codes", "zero_codes", "stat_params", "perm", "outlier_rows", "outlier_cols",
          "outlier_values")
@@ -90,7 +91,7 @@ class SpqrMatrix:
             weight = _try_fused(self, dtype) if uses_fused_kernel(self) else None
             weight = self._dequantize_torch(dtype, statistics) if weight is None else weight
         else:
-            weight = (_fused_kernel().dequantize_permuted(self, dtype, STATS_RUN) if fused
+            weight = (FUSED.module.dequantize_permuted(self, dtype, STATS_RUN) if fused
                       else self._dequantize_torch(dtype, statistics))
         if self.num_outliers:
             rows = torch.repeat_interleave(torch.arange(self.shape[0], device=weight.device), self.outlier_rows.diff().long(),
@@ -170,35 +171,13 @@ def _second_level_together(members: list[SpqrMatrix], scales: tuple[Tensor, ...]
 
 def uses_fused_kernel(matrix: SpqrMatrix) -> bool:
     """Whether dequantize() will try the Triton kernel (on CUDA, Triton installed, not failed here)."""
-    return matrix.codes.device.type == "cuda" and not _FUSED_FAILED and _fused_kernel() is not None
-
-
-@functools.cache
-def _fused_kernel():
-    """quant.spqr_triton, or None where Triton is not installed."""
-    try:
-        from . import spqr_triton
-    except (ImportError, RuntimeError):        # no Triton, or one that cannot initialise here
-        return None
-    return spqr_triton
-
-
-_FUSED_FAILED: list[str] = []
+    return matrix.codes.device.type == "cuda" and FUSED.usable
 
 
 def _try_fused(matrix: SpqrMatrix, dtype: torch.dtype) -> Tensor | None:
     """The fused kernel's output, or None (no Triton, or a kernel that failed here once: then a one-line
     warning and the torch path from then on)."""
-    kernel = _fused_kernel()
-    if kernel is None or _FUSED_FAILED:
-        return None
-    try:
-        return kernel.dequantize_permuted(matrix, dtype, STATS_RUN)
-    except Exception as err:     # a Triton build that cannot compile for this GPU must not stop generation
-        _FUSED_FAILED.append(str(err))
-        warnings.warn(f"SpQR: the fused Triton kernel failed ({type(err).__name__}: {str(err)[:200]}); "
-                      "dequantizing with torch instead", RuntimeWarning, stacklevel=2)
-        return None
+    return FUSED.run("dequantize_permuted", matrix, dtype, STATS_RUN)
 
 
 def _second_level(values: Tensor, scales: Tensor, zeros: Tensor, out: int, groups: int) -> Tensor:

@@ -163,16 +163,20 @@ def test_triton_q4_k_kernel_on_cuda() -> None:
 
 def test_a_failing_fused_kernel_warns_once_and_leaves_the_torch_path(monkeypatch):
     """A Triton build that cannot compile here: one warning, then the torch decoder, never a crash."""
+    from offload.fused import OptionalKernel
     calls = []
 
-    def broken(*args):
-        calls.append(args)
-        raise RuntimeError("no kernel image for this GPU")
+    class Broken:
+        def dequantize_q4_k(self, *args):
+            calls.append(args)
+            raise RuntimeError("no kernel image for this GPU")
 
-    monkeypatch.setattr(gguf_blocks, "_FUSED_FAILED", [])
-    monkeypatch.setattr(gguf_blocks, "_fused_q4_k", lambda: broken)
+    kernel = OptionalKernel("offload.weights.gguf_triton", "GGUF Q4_K")
+    kernel.module = Broken()
+    monkeypatch.setattr(gguf_blocks, "FUSED_Q4_K", kernel)
     raw = torch.from_numpy(_packed(T.Q4_K, (2, 256)))
-    with pytest.warns(RuntimeWarning, match="fused Triton Q4_K kernel failed"):
-        assert gguf_blocks._try_fused_q4_k(raw, (2, 256), torch.float32, None) is None
-    assert gguf_blocks._try_fused_q4_k(raw, (2, 256), torch.float32, None) is None
-    assert len(calls) == 1
+    with pytest.warns(RuntimeWarning, match="GGUF Q4_K: the fused Triton kernel failed"):
+        assert kernel.run("dequantize_q4_k", raw, (2, 256), torch.float32, None) is None
+    assert kernel.run("dequantize_q4_k", raw, (2, 256), torch.float32, None) is None
+    assert len(calls) == 1 and not kernel.usable
+    assert OptionalKernel("no_such_module_anywhere", "x").module is None      # no Triton: no kernel

@@ -148,6 +148,7 @@ def test_fused_kernel_on_cuda_equals_the_dense_reference():
 
 def test_a_fused_kernel_that_fails_falls_back_to_torch_with_one_warning(monkeypatch):
     import quant.spqr_format as fmt
+    from offload.fused import OptionalKernel
     calls = []
 
     class Broken:
@@ -155,8 +156,9 @@ def test_a_fused_kernel_that_fails_falls_back_to_torch_with_one_warning(monkeypa
             calls.append(dtype)
             raise RuntimeError("no kernel image is available for this GPU")
 
-    monkeypatch.setattr(fmt, "_fused_kernel", lambda: Broken())
-    monkeypatch.setattr(fmt, "_FUSED_FAILED", [])
+    kernel = OptionalKernel("quant.spqr_triton", "SpQR")
+    kernel.module = Broken()
+    monkeypatch.setattr(fmt, "FUSED", kernel)
     matrix, _ = random_matrix(4, (16, 32), 1)
     with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
         assert fmt._try_fused(matrix, torch.float32) is None

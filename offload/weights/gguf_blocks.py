@@ -21,19 +21,19 @@ Block layouts (little-endian bytes; d, m, dmin are fp16; q_i is element i of the
 """
 from __future__ import annotations
 
-import functools
-import warnings
-
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 from torch import Tensor
 
+from offload.fused import OptionalKernel
+
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 # gguf.quants.quantize implements these (the K-quants only decode in the gguf package)
 REFERENCE_QUANTIZED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 
+FUSED_Q4_K = OptionalKernel("offload.weights.gguf_triton", "GGUF Q4_K")
 CPU_CHUNK_ELEMENTS = 1 << 20
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
@@ -215,7 +215,7 @@ def dequantize(raw: Tensor, qtype: T, shape: tuple[int, ...], out_dtype: torch.d
     if raw.data_ptr() % 4 != 0 or raw.storage_offset() % 4 != 0 or not raw.is_contiguous():
         raw = raw.clone(memory_format=torch.contiguous_format)                  # int32/f32 views need 4-byte alignment
     if raw.is_cuda and qtype == T.Q4_K:
-        fused = _try_fused_q4_k(raw, shape, out_dtype, out)
+        fused = FUSED_Q4_K.run("dequantize_q4_k", raw, shape, out_dtype, out)
         if fused is not None:
             return fused
     result = out if out is not None else torch.empty(shape, dtype=out_dtype, device=raw.device)
@@ -231,34 +231,6 @@ def dequantize(raw: Tensor, qtype: T, shape: tuple[int, ...], out_dtype: torch.d
         if workspace is not None:
             target.copy_(values)
     return result
-
-
-@functools.cache
-def _fused_q4_k():
-    """gguf_triton's Q4_K kernel, or None where Triton is not installed."""
-    try:
-        from offload.weights.gguf_triton import dequantize_q4_k
-    except (ImportError, RuntimeError):        # no Triton, or one that cannot initialise here
-        return None
-    return dequantize_q4_k
-
-
-_FUSED_FAILED: list[str] = []
-
-
-def _try_fused_q4_k(raw: Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, out: Tensor | None) -> Tensor | None:
-    """The fused kernel's output on CUDA (one launch, no f32 temporaries), or None: no Triton, or a kernel
-    that failed here once (then a one-line warning and the torch path from then on)."""
-    kernel = _fused_q4_k()
-    if kernel is None or _FUSED_FAILED:
-        return None
-    try:
-        return kernel(raw, shape, out_dtype, out)
-    except Exception as err:     # a Triton build that cannot compile for this GPU must not stop generation
-        _FUSED_FAILED.append(str(err))
-        warnings.warn(f"GGUF: the fused Triton Q4_K kernel failed ({type(err).__name__}: {str(err)[:200]}); "
-                      "decoding with torch instead", RuntimeWarning, stacklevel=3)
-        return None
 
 
 def _random_halves(count: int, is_signed: bool, generator: np.random.Generator) -> np.ndarray:
