@@ -25,7 +25,7 @@ from offload.weights.resolve import resolve_model
 from offload.weights.tokenizer import Tokenizer
 from runtime.auto_budget import auto_budget
 from runtime.models import load_model
-from runtime.speculation import estimated_draft_bytes
+from runtime.speculation import estimated_draft_bytes, estimated_draft_kv_token_bytes
 from spec import SamplingConfig
 from spec.batch_speculator import BatchSpeculator
 from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, FixedTree, SharedBudget
@@ -118,7 +118,9 @@ def load_options(config: BatchBenchConfig, tier: str, max_context: int) -> LoadO
     dtype_bytes = choose_dtype(config.dtype, choose_device(config.device)).itemsize
     options = LoadOptions(config.target, config.device, config.dtype, max_context=max_context,
                           max_pass_tokens=config.max_pass_tokens(), num_sequences=max(config.batch_sizes),
-                          draft_bytes=estimated_draft_bytes(config.draft_spec, dtype_bytes) if config.use_draft else 0)
+                          draft_bytes=estimated_draft_bytes(config.draft_spec, dtype_bytes) if config.use_draft else 0,
+                          draft_kv_token_bytes=estimated_draft_kv_token_bytes(config.draft_spec, dtype_bytes)
+                          if config.use_draft else 0)
     resident = DISK_COLD_RESIDENT_LAYERS if tier == "disk" else 0
     options.gpu_mem = streaming_device_budget(options, resident)
     if tier == "disk":

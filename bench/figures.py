@@ -60,8 +60,11 @@ def _peer_rows(peers: dict, rows: list[dict]) -> None:
 def disk_label(row: dict, is_gguf: bool) -> str:
     """A quant-disk row's model as the tables name it (its `-ahead` twin decodes on a decoder thread)."""
     name, ahead = row["model"].removesuffix("-ahead"), row["model"].endswith("-ahead")
-    return ("GGUF in place" if is_gguf and not name.startswith("reference-") else name) + \
-        (", decoder thread" if ahead else "")
+    if is_gguf and not name.startswith("reference-"):
+        name = "GGUF in place"
+    elif "-spqr-" in name:          # a cached checkpoint folder: <model>-spqr-w4-g32-s8-noact-t8-n128-s512-a3
+        name = "SpQR " + name.split("-spqr-", 1)[1].split("-t", 1)[0]
+    return name + (", decoder thread" if ahead else "")
 
 
 def _disk_rows(disk: dict, rows: list[dict]) -> None:

@@ -27,7 +27,7 @@ from spec.draft import default_draft_for, load_any_draft
 from runtime.auto_budget import _pass_seconds, auto_budget
 from bench.journal import BenchJournal, changed_fields, fingerprint, result_from_dict, result_to_dict
 from bench.hf_draft import Peer, PeerRun, open_peer
-from runtime.speculation import estimated_draft_bytes
+from runtime.speculation import estimated_draft_bytes, estimated_draft_kv_token_bytes
 from bench.spec_report import mode_report, progress_line, summarize
 
 MODES = ("resident", "disk-cold")
@@ -89,7 +89,9 @@ def load_options(config: SpecBenchConfig, mode: str) -> LoadOptions:
     """The target planned for the largest budget; disk-cold: a small device budget, no RAM tier."""
     options = LoadOptions(config.target, dtype=config.dtype, max_context=config.max_context,
                           max_pass_tokens=config.max_pass_tokens,
-                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes(config.dtype)))
+                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes(config.dtype)),
+                          draft_kv_token_bytes=estimated_draft_kv_token_bytes(config.draft_spec,
+                                                                              _dtype_bytes(config.dtype)))
     if mode == "disk-cold":
         options.gpu_mem, options.ram = config.gpu_mem or disk_cold_gpu_mem(config), 1
         options.disk_cold = True

@@ -38,8 +38,10 @@ def run_batch(ctx) -> dict:
     if parser is None:
         return {"skipped": "this build has no `bench batch` command yet (the suite runs it once the bench parser "
                            "has it)"}
+    from spec.draft import default_draft_for
     c = ctx.config
-    settings = {"--target": [str(ctx.model_folder)], "--prompts": [str(textdata.path(textdata.CHAT_PROMPTS))],
+    # the target is the suite's private copy of the default model: its shipped draft is named explicitly
+    settings = {"--target": [str(ctx.model_folder)], "--draft": [str(default_draft_for(None))], "--prompts": [str(textdata.path(textdata.CHAT_PROMPTS))],
                 "--limit": [str(max(c.batch_sizes))], "--max-new-tokens": [str(c.max_new_tokens)],
                 "--batch-sizes": [",".join(map(str, c.batch_sizes))], "--threads": [str(c.threads)],
                 "--json": []}

@@ -36,6 +36,7 @@ class LoadOptions:
     max_pass_tokens: int = 512      # largest pass (prefill chunk or tree) the workspace must hold
     num_sequences: int = 1          # sequences decoded together (batch): a KV cache slot each
     draft_bytes: int = 0
+    draft_kv_token_bytes: int = 0   # the draft's KV cache per cached token (planned beside the target's)
     ring_size: int = 2
     disk_cold: bool = False
     # A decoder thread dequantizes streamed packed layers between their read and their compute. Measured
@@ -158,7 +159,7 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes,
         device_budget=options.gpu_mem or default_device_budget(device),
         host_budget=options.ram or default_host_budget(),
-        draft_bytes=options.draft_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
+        draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
         dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu",
         num_sequences=options.num_sequences)
 

@@ -36,6 +36,7 @@ class PlanRequest:
     device_budget: int
     host_budget: int
     draft_bytes: int = 0
+    draft_kv_token_bytes: int = 0  # the draft's KV cache per cached token (it caches what the target does)
     max_context: int = 4096
     max_tree: int = 1              # most tokens a single pass processes (tree budget or prefill chunk)
     dtype_bytes: int = 2
@@ -145,6 +146,8 @@ def _fixed_items(request: PlanRequest) -> list[PlanItem]:
              PlanItem(_kv_label(request), "device", kv_cache_bytes(cfg, kv_cache_tokens(request), request.dtype_bytes)),
              PlanItem(f"activation workspace ({request.max_tree} tokens per pass)", "device",
                       workspace_bytes(request))]
+    if request.draft_kv_token_bytes:
+        fixed.insert(1, PlanItem("draft KV cache", "device", request.draft_kv_token_bytes * kv_cache_tokens(request)))
     if request.draft_bytes:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
     if request.decode_workspace_bytes:
@@ -261,10 +264,11 @@ def request_from_config(config: ModelConfig, dtype_bytes: int, device_budget: in
                         weight_bits: float | None = None) -> PlanRequest:
     """A plan request from config.json alone: byte counts derived from parameter counts. `weight_bits`:
     the decoder layers' stored bits per parameter when packed (e.g. SpQR), else the dtype's."""
-    draft_bytes = 0
+    draft_bytes, draft_kv = 0, 0
     if draft is not None:
         draft_bytes = (draft.global_param_count + draft.num_layers * draft.layer_param_count) * dtype_bytes
+        draft_kv = kv_cache_bytes(draft, 1, dtype_bytes)
     layer_bytes = config.layer_param_count * (weight_bits / 8 if weight_bits else dtype_bytes)
     return PlanRequest(config, int(layer_bytes), config.global_param_count * dtype_bytes,
-                       device_budget, host_budget, draft_bytes, max_context, max_tree, dtype_bytes, ring_size,
-                       device_is_cpu)
+                       device_budget, host_budget, draft_bytes, draft_kv, max_context, max_tree, dtype_bytes,
+                       ring_size, device_is_cpu)

@@ -15,7 +15,8 @@ from spec.budget import BudgetChooser, check_budget
 from spec.draft import is_draft_folder, load_draft
 from .auto_budget import auto_budget, pass_time_curve, throughput_batch
 from .models import load_model, weight_formats
-from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, load_draft_for, max_budget_for)
+from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, estimated_draft_kv_token_bytes,
+                          load_draft_for, max_budget_for)
 from .stop import HeldBackText, StopStrings
 
 
@@ -102,6 +103,7 @@ class Session:
                                        gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
                                        max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
                                        draft_bytes=self._draft_bytes(), formats=weight_formats(),
+                                       draft_kv_token_bytes=self._draft_kv_token_bytes(),
                                        gguf_import=config.gguf_import)
             self.options.num_sequences = self._batch_size(self.options)
             try:
@@ -133,9 +135,14 @@ class Session:
     def draft_path(self) -> Path | None:
         return self.draft.path if self.draft else None
 
+    def _dtype_bytes(self) -> int:
+        return choose_dtype(self.config.dtype, choose_device(self.config.device)).itemsize
+
     def _draft_bytes(self) -> int:
-        device = choose_device(self.config.device)
-        return estimated_draft_bytes(self.draft_choice.spec, choose_dtype(self.config.dtype, device).itemsize)
+        return estimated_draft_bytes(self.draft_choice.spec, self._dtype_bytes())
+
+    def _draft_kv_token_bytes(self) -> int:
+        return estimated_draft_kv_token_bytes(self.draft_choice.spec, self._dtype_bytes())
 
     def _load_draft(self, on_status, on_warning, on_progress):
         if not self.draft_choice.spec:

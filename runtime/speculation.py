@@ -7,6 +7,7 @@ from pathlib import Path
 from offload import LoadedModel, LoadOptions
 from offload.model.config import ModelConfig
 from offload.devices import choose_device
+from offload.planner import kv_cache_bytes
 from spec import Draft, default_draft_for, load_any_draft
 from offload.weights.resolve import ModelNotFoundError
 from spec.draft_folder import is_draft_folder, read_draft_info
@@ -39,15 +40,28 @@ def max_budget_for(budget: int | None, device: str) -> int:
     return budget if budget is not None else AUTO_MAX_BUDGET[choose_device(device).type]
 
 
-def estimated_draft_bytes(spec: str | None, dtype_bytes: int) -> int:
-    """Device bytes a draft will take, from its config alone (for the target's plan); 0 when unknown."""
+def _draft_config(spec: str | None) -> ModelConfig | None:
     folder = Path(spec).expanduser() if spec else None
     if folder is None or not (folder / "config.json").is_file():
-        return 0
+        return None
     try:
-        config = ModelConfig.from_file(folder)
+        return ModelConfig.from_file(folder)
     except (ValueError, OSError):
+        return None
+
+
+def estimated_draft_kv_token_bytes(spec: str | None, dtype_bytes: int) -> int:
+    """A draft's KV cache bytes per cached token, from its config alone; 0 when unknown."""
+    config = _draft_config(spec)
+    return 0 if config is None else kv_cache_bytes(config, 1, dtype_bytes)
+
+
+def estimated_draft_bytes(spec: str | None, dtype_bytes: int) -> int:
+    """Device bytes a draft's weights will take, from its config alone (for the target's plan); 0 when unknown."""
+    config = _draft_config(spec)
+    if config is None:
         return 0
+    folder = Path(spec).expanduser()
     layers = config.num_layers * config.layer_param_count
     if is_draft_folder(folder):          # the embedding is the target's; the head has K rows
         head = read_draft_info(folder).vocab_top * config.hidden_size

@@ -163,6 +163,7 @@ def test_bench_batch_is_looked_up_in_the_parser_and_given_the_flags_it_has(stubb
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes")
     parser.add_argument("--max-new-tokens")
+    parser.add_argument("--draft")
     parser.add_argument("--json", action="store_true")
     monkeypatch.setattr(bench.suite_batch, "bench_subcommand", lambda name: parser)
     seen = []
@@ -171,7 +172,9 @@ def test_bench_batch_is_looked_up_in_the_parser_and_given_the_flags_it_has(stubb
                                                     {"batch_size": 4, "tokens_per_second": 30.0}]})
     manifest = run_suite(tiny_config(only=("batch",)), tmp_path / "run", "x")
     assert manifest["steps"][0]["status"] == "ok"
-    assert seen == [["bench", "batch", "--max-new-tokens", "4", "--batch-sizes", "1,4", "--json"]]
+    from spec.draft import default_draft_for    # the suite's private target copy gets the shipped draft by name
+    assert seen == [["bench", "batch", "--draft", str(default_draft_for(None)), "--max-new-tokens", "4",
+                     "--batch-sizes", "1,4", "--json"]]
     report = (tmp_path / "run/report.md").read_text()
     assert "| 4 | 30 |" in report and "batched 4 / batch 1, tok/s | 3 |" in report
 
@@ -244,3 +247,11 @@ def test_batch_rows_are_one_series_per_tier_and_mode():
     assert ratios["best batched speculative / best batched autoregressive (disk), tok/s"] == 0.97
     engines = [r["engine"] for r in engine_rows({"batch": batch})]
     assert "specstream batched, ram, speculative, 4 sequences" in engines and len(engines) == 4
+
+
+def test_a_cached_spqr_checkpoint_is_named_by_its_settings_in_the_tables():
+    from bench.figures import disk_label
+    row = {"model": "SmolLM2-135M-Instruct.Q4_1-215dc1-spqr-w4-g32-s8-noact-t8-n128-s512-a3-ahead"}
+    assert disk_label(row, False) == "SpQR w4-g32-s8-noact, decoder thread"
+    assert disk_label({"model": "reference-bf16"}, True) == "reference-bf16"
+    assert disk_label({"model": "gguf-in-place"}, True) == "GGUF in place"

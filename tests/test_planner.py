@@ -131,3 +131,17 @@ def test_resident_layers_kept_packed_only_where_that_costs_less_per_pass():
     slow = make_plan(replace(request, decode_vs_transfer=10.0))       # decode far dearer than transfer
     assert not slow.request.resident_packed and slow.tier_of == never.tier_of
     assert (80 - packed) + 80 * 10 > (80 - decoded) * 11
+
+
+def test_the_draft_kv_cache_is_planned_beside_the_target_s():
+    """A draft caches what the target caches: context + tree for one sequence, a context per slot for many."""
+    from dataclasses import replace
+    from offload.planner import kv_cache_bytes
+    config, draft = (ModelConfig.from_file(CONFIGS / name) for name in ("llama-2-70b", "llama-2-7b"))
+    request = request_from_config(config, 2, 24 * GIB, 64 * GIB, draft=draft, max_context=4096, max_tree=512)
+    per_token = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * 2
+    assert request.draft_kv_token_bytes == per_token == kv_cache_bytes(draft, 1, 2)
+    items = {i.component: i.num_bytes for i in make_plan(request).items}
+    assert items["draft KV cache"] == per_token * (4096 + 512)
+    batch = {i.component: i.num_bytes for i in make_plan(replace(request, num_sequences=2)).items}
+    assert batch["draft KV cache"] == per_token * 2 * 4096
