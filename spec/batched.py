@@ -300,11 +300,12 @@ class BatchDecoder:
         path = accepted_path(tree, self.policy.accept(tree, Verdict(choices, hidden)))
         if sampling.repetition_penalty != 1.0:       # the level at the newest position, for the next tree
             sequence.logit_level = float(logits[path[-1]].logsumexp(-1))
-        yielded = tree.tokens[path[1:]].tolist() + [int(choices[path[-1]])]
+        path_tokens = torch.cat((tree.tokens[path], choices[path[-1:]])).tolist()   # one read: path + next token
+        yielded = path_tokens[1:]
         if not self.policy.is_lossless:
             stats.policy_accepted += int((~matches_target(tree, choices))[path[1:]].sum())
         self.cache.commit(sequence.slot, path)
-        sequence.cached_ids.extend(tree.tokens[path].tolist())
+        sequence.cached_ids.extend(path_tokens[:-1])
         if part.draft_rows is not None:
             self.speculator.accept(sequence.slot, tree, part.draft_rows, path)
         stats.record_step(part.budget, tree.num_nodes, len(yielded), draft_seconds, target_seconds, overhead_seconds)

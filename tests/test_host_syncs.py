@@ -132,3 +132,27 @@ def test_on_a_gpu_a_step_waits_once_per_draft_forward_and_a_few_times_more(tmp_p
     assert set(counts.reads) <= {"copy", "synchronize"}, counts.report(steps)
     assert counts.num_host_syncs <= forwards + (4 if budget > 1 else 2) * steps, counts.report(steps)
     assert counts.sync_warnings is not None
+
+
+BATCH_READS_PER_SEQUENCE_STEP = 20    # measured 16.9 (CPU upper bound: host-side tree growth counted too)
+
+
+def test_a_batched_speculative_step_stays_under_its_read_budget(pair):
+    """Four sequences share every pass, each with a tree of 16: the host reads per sequence and step (the
+    answers' reads less a one-token answer's) stay under a stated bound; they were 27.6 before the slot
+    cache checked its commits as host ints and each sequence read its path and next token at once."""
+    from spec.batch_speculator import BatchSpeculator
+    from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedTree
+    target, draft = pair
+
+    def decode(max_new_tokens: int) -> int:
+        speculator = BatchSpeculator(draft, 4, CONTEXT, 16, PASS_TOKENS)
+        decoder = BatchDecoder(target.model, set(), BatchConfig(4, CONTEXT, PASS_TOKENS), speculator, FixedTree(16))
+        requests = [BatchRequest(PROMPT[:5 + i], SamplingConfig(), max_new_tokens, None, tag=i) for i in range(4)]
+        results = []
+        decoder.run(requests, lambda request, result, error: results.append(result))
+        return sum(result.stats.num_steps for result in results)
+
+    counts, steps = count_steps(decode, ANSWER_TOKENS, "cpu")
+    assert steps > 4 * 5          # trees accepted tokens: fewer steps than tokens, many of them
+    assert counts.num_host_syncs / steps <= BATCH_READS_PER_SEQUENCE_STEP, counts.reads

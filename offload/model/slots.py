@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from offload.model.config import ModelConfig
+from offload.host_sync import send
 from offload.model.kvcache import CacheFullError
 
 # score entries (query x key) a pass must save per extra attention call before it attends block by block
@@ -114,18 +115,19 @@ class SlotCache:
             self.lengths[slot] += num_pending
             self.pending[slot] = []
             return
-        kept = torch.as_tensor(kept_new_indices, dtype=torch.long).cpu()
-        if kept.unique().numel() != kept.numel():
-            raise IndexError(f"commit indices must be distinct, got {kept.tolist()}")
-        if kept.numel() and (kept.min() < 0 or kept.max() >= num_pending):
-            raise IndexError(f"commit indices must lie in [0, {num_pending}), got {kept.tolist()}")
-        if not torch.equal(kept, torch.arange(kept.numel())):
+        # checked as host ints (a device tensor of indices is read once); the gather's index goes down unawaited
+        kept = kept_new_indices.tolist() if isinstance(kept_new_indices, Tensor) else [int(i) for i in kept_new_indices]
+        if len(set(kept)) != len(kept):
+            raise IndexError(f"commit indices must be distinct, got {kept}")
+        if kept and (min(kept) < 0 or max(kept) >= num_pending):
+            raise IndexError(f"commit indices must lie in [0, {num_pending}), got {kept}")
+        if kept != list(range(len(kept))):
             first = slot * self.max_length + length
-            source = (kept + first).to(self.keys.device)
-            target = slice(first, first + kept.numel())
+            source = send(torch.tensor([first + i for i in kept]), self.keys.device)
+            target = slice(first, first + len(kept))
             self.keys[:, :, target] = self.keys.index_select(2, source)
             self.values[:, :, target] = self.values.index_select(2, source)
-        self.lengths[slot] += kept.numel()
+        self.lengths[slot] += len(kept)
         self.pending[slot] = []
 
     def truncate(self, slot: int, length: int) -> None:
