@@ -100,8 +100,7 @@ def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> i
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
-    global_bytes = sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
-    request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
+    request = _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
     return streaming_budget(request, resident_layers)
 
 
@@ -113,8 +112,16 @@ def largest_batch_for(options: LoadOptions, limit: int = 1024) -> int:
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
-    global_bytes = sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
-    return largest_batch(_plan_request(options, source, source.layout(dtype), global_bytes, device, dtype), limit)
+    request = _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
+    return largest_batch(request, limit)
+
+
+def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:
+    """The globals' bytes in `dtype`, from their shapes where the source knows them without decoding (a
+    GGUF's embedding is a GB of blocks to decode in a 70B), else from the (lazily mapped) tensors."""
+    if hasattr(source, "global_numels"):
+        return sum(source.global_numels().values()) * dtype.itemsize
+    return sum(t.numel() * dtype.itemsize for t in source.global_tensors().values())
 
 
 @dataclass(slots=True)

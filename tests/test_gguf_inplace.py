@@ -299,3 +299,16 @@ def test_cli_names_the_path_it_runs_and_refuses_a_damaged_file_in_one_message(ti
     message = refused.stderr.replace("\n", "")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert str(cut) in message and "'blk.2.ffn_norm.weight'" in message and "truncated" in message
+
+
+def test_planning_a_gguf_decodes_no_global(tiny, monkeypatch):
+    """The budget helpers count the globals from the header: a 70B's embedding is a GB of blocks."""
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tiny.parent / "cache"))
+    from offload.loader import largest_batch_for
+    options = _options(str(tiny))
+    expected = streaming_device_budget(options)
+    folder = resolve_model(str(tiny))
+    source = open_source(folder, ModelConfig.from_file(folder))
+    assert sum(source.global_numels().values()) == sum(t.numel() for t in source.global_tensors().values())
+    monkeypatch.setattr(GgufSource, "global_tensors", lambda self: pytest.fail("decoded a global"))
+    assert streaming_device_budget(options) == expected and largest_batch_for(options, 4) >= 1

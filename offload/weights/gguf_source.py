@@ -111,6 +111,10 @@ class GgufSource:
         dtype = torch.bfloat16 if self.config.torch_dtype == "bfloat16" else torch.float32
         return {name: dequantize(self._raw(info), info.qtype, info.shape, dtype) for name, info in self._globals.items()}
 
+    def global_numels(self) -> dict[str, int]:
+        """Each global's element count, read from the header (nothing decoded)."""
+        return {name: math.prod(info.shape) for name, info in self._globals.items()}
+
     def layer(self, index: int) -> dict[str, Tensor]:
         """A layer's raw blocks, views into the mapped file (the RAM tier packs them)."""
         return {name: self._raw(info) for name, info in self._layers[index].items()}
