@@ -12,6 +12,9 @@ from offload.weights.gguf_import import cache_root
 from spec.budget import BudgetChooser, PassTimeCurve, load_curve, probe_pass_times, save_curve
 
 
+PROBE_VERSION = 2     # 2: disturbed points measured again; curves cached by version 1 are measured anew
+
+
 def auto_budget(target: LoadedModel, max_budget: int, on_status=None) -> BudgetChooser:
     return BudgetChooser(pass_time_curve(target, max_budget, on_status), max_budget)
 
@@ -30,17 +33,16 @@ def pass_time_curve(target: LoadedModel, max_tokens: int, on_status=None) -> Pas
     return curve
 
 
-def throughput_batch(curve: PassTimeCurve, largest: int) -> int:
-    """The batch (1..largest) that sequences keep joining while each adds at least half a sequence's
-    throughput, one new token per sequence per pass: the b-th joins while (b - 1/2) / t(b) >= (b - 1) / t(b - 1),
-    i.e. while a pass grows by at most (b - 1/2) / (b - 1) with it. A flat pass time (streamed weights)
-    takes the largest batch; one proportional to its tokens (compute-bound) gains nothing from batching."""
-    if largest < 1:
-        raise ValueError(f"the largest batch must be >= 1, got {largest}")
-    for size in range(2, largest + 1):
-        if (size - 0.5) / curve.seconds(size) < (size - 1) / curve.seconds(size - 1):
-            return size - 1
-    return largest
+def throughput_batch(curve: PassTimeCurve, largest: int, share: float = 0.98) -> int:
+    """The smallest batch (1..largest) whose predicted throughput B / t(B), one new token per sequence per
+    pass, is within `share` of the best over 1..largest: past it more sequences add latency and KV slots,
+    not tokens per second. A flat pass time (streamed weights) takes the largest batch, one proportional
+    to its tokens (compute-bound) one sequence. Judged against the best of all sizes, not step by step, so
+    a noisy point of the measured curve moves the choice little."""
+    if largest < 1 or not 0 < share <= 1:
+        raise ValueError(f"need largest >= 1 and share in (0, 1], got {largest} and {share}")
+    rates = [size / curve.seconds(size) for size in range(1, largest + 1)]
+    return next(size for size, rate in enumerate(rates, start=1) if rate >= share * max(rates))
 
 
 def curve_key(target: LoadedModel, max_budget: int) -> dict:
@@ -52,7 +54,8 @@ def curve_key(target: LoadedModel, max_budget: int) -> dict:
             "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
             "layers": {t: plan.tier_of.count(t) for t in ("device", "ram", "disk")}, "ring": plan.ring_size,
             "device": str(target.model.device), "dtype": str(target.model.dtype), "threads": torch.get_num_threads(),
-            "disk_cold": target.layers.disk_cold, "max_budget": max_budget, "torch": torch.__version__}
+            "disk_cold": target.layers.disk_cold, "max_budget": max_budget, "torch": torch.__version__,
+            "probe": PROBE_VERSION}
 
 
 @torch.inference_mode()

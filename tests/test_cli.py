@@ -214,3 +214,30 @@ def test_run_reads_the_prompt_from_stdin():
     assert json.loads(piped.stdout)["text"] == "The answer to this classic math problem is 4."
     empty = cli("run", "-", "--no-draft", input="  \n")
     assert empty.returncode != 0 and "no prompt on stdin" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_seeded_batch_answers_do_not_depend_on_the_batch(tmp_path):
+    """Sampled requests with seeds, the shipped draft, --budget auto: batch-size 1 and the auto batch (six
+    at once, trees split between them) write the same texts; another seed writes another text."""
+    questions = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",
+                 "What is 3*3?"]
+
+    def lines(seed_offset: int) -> str:
+        return "\n".join(json.dumps({"custom_id": f"r{i}", "body": {
+            "messages": [{"role": "user", "content": q}], "max_tokens": 16, "temperature": 0.7,
+            "seed": i + seed_offset}}) for i, q in enumerate(questions)) + "\n"
+
+    def texts(source: Path, *flags: str) -> dict[str, str]:
+        out = source.with_suffix(f".{len(flags)}.out.jsonl")
+        result = cli("batch", str(source), "-o", str(out), *flags, timeout=240)
+        assert result.returncode == 0, result.stderr
+        assert ("in flight" in result.stdout + result.stderr) == (not flags)     # auto decoded them together
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        return {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in rows}
+
+    source, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+    source.write_text(lines(0))
+    other.write_text(lines(100))
+    together = texts(source)
+    assert texts(source, "--batch-size", "1") == together
+    assert texts(other) != together
