@@ -14,7 +14,7 @@ from offload.devices import check_names, choose_device, choose_dtype
 from offload.allocator import keep_freed_host_memory
 from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
-from offload.planner import Plan, PlanRequest, make_plan, streaming_budget
+from offload.planner import Plan, PlanRequest, largest_batch, make_plan, streaming_budget
 from offload.resident import to_device
 from offload.weights.resolve import is_default_model, resolve_model
 from offload.stream import StreamingLayers
@@ -96,24 +96,22 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
 def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> int:
     """The --gpu-mem at which this model, loaded with `options`, keeps only `resident_layers` decoder
     layers on the device and streams the rest (its layer bytes as stored: packed formats count packed)."""
-    path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
-    source = open_source(path, ModelConfig.from_file(path), options.formats)
-    device = choose_device(options.device)
-    dtype = choose_dtype(options.dtype, device)
-    request = _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
-    return streaming_budget(request, resident_layers)
+    return streaming_budget(_request_for(options), resident_layers)
 
 
 def largest_batch_for(options: LoadOptions, limit: int = 1024) -> int:
     """The most sequences (<= limit) this model, loaded with `options`, can decode together: their KV cache
     slots and the pass workspace fit the device budget beside the ring (0: not one)."""
-    from offload.planner import largest_batch
+    return largest_batch(_request_for(options), limit)
+
+
+def _request_for(options: LoadOptions) -> PlanRequest:
+    """The plan request load_model would make for `options`, without loading any weights."""
     path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
-    request = _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
-    return largest_batch(request, limit)
+    return _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
 
 
 def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:

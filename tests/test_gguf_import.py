@@ -95,16 +95,15 @@ def _tensors(spec: Spec, rows: int, rng: np.random.Generator) -> list[tuple[str,
     return out
 
 
-def write_gguf(path: Path, spec: Spec, seed: int = 0) -> Path:
+def write_metadata(writer: gguf.GGUFWriter, *, layers: int, hidden: int, ff: int, heads: int, kv_heads: int,
+                   head_dim: int, vocab: int) -> None:
+    """A tiny llama-family model's hyperparameters and the tiny BPE tokenizer, as llama.cpp writes them."""
     tokens, token_types, merges = _tokenizer()
-    rows = spec.rows or len(tokens)
-    writer = gguf.GGUFWriter(str(path), spec.arch)
-    writer.add_name(f"tiny {spec.arch}")
-    for add, value in [(writer.add_block_count, spec.layers), (writer.add_context_length, 256),
-                       (writer.add_embedding_length, spec.hidden), (writer.add_feed_forward_length, spec.ff),
-                       (writer.add_head_count, spec.heads), (writer.add_head_count_kv, spec.kv_heads),
+    for add, value in [(writer.add_block_count, layers), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ff),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
                        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
-                       (writer.add_rope_dimension_count, spec.head_dim), (writer.add_vocab_size, rows)]:
+                       (writer.add_rope_dimension_count, head_dim), (writer.add_vocab_size, vocab)]:
         add(value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -112,6 +111,14 @@ def write_gguf(path: Path, spec: Spec, seed: int = 0) -> Path:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+def write_gguf(path: Path, spec: Spec, seed: int = 0) -> Path:
+    rows = spec.rows or len(_tokenizer()[0])
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    writer.add_name(f"tiny {spec.arch}")
+    write_metadata(writer, layers=spec.layers, hidden=spec.hidden, ff=spec.ff, heads=spec.heads,
+                   kv_heads=spec.kv_heads, head_dim=spec.head_dim, vocab=rows)
     for name, data, qtype in _tensors(spec, rows, np.random.default_rng(seed)):
         writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
     writer.write_header_to_file()

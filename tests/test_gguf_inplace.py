@@ -29,7 +29,7 @@ from offload.weights.resolve import resolve_model
 from offload.weights.safetensors_io import write_safetensors
 from offload.weights.source import CheckpointSource, HF_GLOBAL_NAMES, HF_LAYER_NAMES
 from spec import DecodeConfig, Decoder, SamplingConfig
-from test_gguf_import import _tokenizer, reference_tensors
+from test_gguf_import import _tokenizer, reference_tensors, write_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -56,21 +56,11 @@ def write_tiny_gguf(path: Path, *, heads: int = HEADS, kv_heads: int = KV_HEADS,
     """A tiny llama GGUF of random blocks, `layers` layers of HEADS heads whatever the metadata says (`heads`,
     `kv_heads`, `block_count`, default `layers`). `types` overrides a tensor's type (GGUF name -> type)."""
     block_count = layers if block_count is None else block_count
-    tokens, token_types, merges = _tokenizer()
+    tokens = _tokenizer()[0]
     rng, types = np.random.default_rng(seed), types or {}
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [(writer.add_block_count, block_count), (writer.add_context_length, 256),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FF),
-                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
-                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
-                       (writer.add_rope_dimension_count, HIDDEN // HEADS), (writer.add_vocab_size, len(tokens))]:
-        add(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    write_metadata(writer, layers=block_count, hidden=HIDDEN, ff=FF, heads=heads, kv_heads=kv_heads,
+                   head_dim=HIDDEN // HEADS, vocab=len(tokens))
     tensors = {GGUF_GLOBAL_NAMES["embed"]: ((len(tokens), HIDDEN), Q.Q8_0),
                GGUF_GLOBAL_NAMES["norm"]: ((HIDDEN,), Q.F32), GGUF_GLOBAL_NAMES["lm_head"]: ((len(tokens), HIDDEN), Q.Q6_K)}
     for i in range(layers):
