@@ -75,9 +75,28 @@ def _half(blocks: Tensor, offset: int) -> Tensor:
 
 
 def _split_nibbles(packed: Tensor, out: Tensor) -> None:
-    """packed [..., L] uint8 -> out [..., 2, L]: low nibbles first, then high nibbles."""
+    """packed [..., L] uint8 -> out [..., 2, L] of any dtype: low nibbles first, then high nibbles."""
     out[..., 0, :].copy_(packed & 0x0F)
     out[..., 1, :].copy_(packed >> 4)
+
+
+def _nibbles(packed: Tensor, groups: int) -> Tensor:
+    """packed [n, groups * L] uint8 -> quants [n, groups, 2, L] uint8 (_split_nibbles per group)."""
+    q = torch.empty(packed.shape[0], groups, 2, packed.shape[1] // groups, dtype=torch.uint8, device=packed.device)
+    packed = packed.view(packed.shape[0], groups, -1)
+    torch.bitwise_and(packed, 0x0F, out=q[..., 0, :])
+    torch.bitwise_right_shift(packed, 4, out=q[..., 1, :])
+    return q
+
+
+def _word_nibbles(blocks: Tensor, word: int, count: int) -> Tensor:
+    """The nibbles of `count` 4-byte-aligned int32 words from word index `word` of each block, worked a
+    word (8 nibbles) at a time: blocks [n, block_bytes] -> quants [n, 2 * 4 * count] uint8, as _nibbles."""
+    words = blocks.view(torch.int32)[:, word:word + count]                      # [n, count]
+    q = torch.empty(blocks.shape[0], 2, count, dtype=torch.int32, device=blocks.device)
+    torch.bitwise_and(words, 0x0F0F0F0F, out=q[:, 0])
+    torch.bitwise_right_shift(words, 4, out=q[:, 1]).bitwise_and_(0x0F0F0F0F)   # masks the sign extension
+    return q.view(torch.uint8).view(blocks.shape[0], -1)
 
 
 def _or_high_bits(q: Tensor, packed: Tensor, width: int) -> None:
@@ -86,6 +105,11 @@ def _or_high_bits(q: Tensor, packed: Tensor, width: int) -> None:
     mask = (1 << width) - 1
     for k in range(8 // width):
         q[..., k, :].bitwise_or_(((packed >> (k * width)) & mask) << 4)
+
+
+def _centered(q: Tensor, offset: int) -> Tensor:
+    """uint8 quants in [0, 2 * offset) -> q - offset as int8 (exact, as the reference's int8 subtraction)."""
+    return q.view(torch.int8).sub_(offset)
 
 
 def _f32(blocks: Tensor, out: Tensor) -> None:        # blocks [n, 4] -> out [n, 1]
@@ -104,33 +128,33 @@ def _bf16(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 2] -> out [n,
 
 
 def _q8_0(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 34] -> out [n, 32]
-    out.copy_(blocks[:, 2:].view(torch.int8)).mul_(_half(blocks, 0))
+    torch.mul(blocks[:, 2:].view(torch.int8), _half(blocks, 0), out=out)
 
 
 def _q4_0(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 18] -> out [n, 32]
-    _split_nibbles(blocks[:, 2:], out.view(-1, 2, 16))
-    out.sub_(8).mul_(_half(blocks, 0))
+    torch.mul(_centered(_nibbles(blocks[:, 2:], 1), 8).view(-1, 32), _half(blocks, 0), out=out)
 
 
 def _q4_1(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 20] -> out [n, 32]
-    _split_nibbles(blocks[:, 4:], out.view(-1, 2, 16))
-    out.mul_(_half(blocks, 0)).add_(_half(blocks, 2))
+    d, m = blocks[:, :4].contiguous().view(torch.float16).float().unbind(1)     # [n] each
+    torch.mul(_word_nibbles(blocks, 1, 4), d.unsqueeze(1), out=out)
+    out.add_(m.unsqueeze(1))
 
 
 def _q5_quants(qh: Tensor, qs: Tensor) -> Tensor:
     """qh [n, 4], qs [n, 16] -> 5-bit quants [n, 32] uint8."""
-    q = torch.empty(qs.shape[0], 32, dtype=torch.uint8, device=qs.device)
-    _split_nibbles(qs, q.view(-1, 2, 16))
+    q = _nibbles(qs, 1)                                                          # [n, 1, 2, 16]
     _or_high_bits(q.view(-1, 4, 8, 1), qh.unsqueeze(-1), 1)                     # q_i takes bit i % 8 of qh[i // 8]
-    return q
+    return q.view(-1, 32)
 
 
 def _q5_0(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 22] -> out [n, 32]
-    out.copy_(_q5_quants(blocks[:, 2:6], blocks[:, 6:])).sub_(16).mul_(_half(blocks, 0))
+    torch.mul(_centered(_q5_quants(blocks[:, 2:6], blocks[:, 6:]), 16), _half(blocks, 0), out=out)
 
 
 def _q5_1(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 24] -> out [n, 32]
-    out.copy_(_q5_quants(blocks[:, 4:8], blocks[:, 8:])).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
+    torch.mul(_q5_quants(blocks[:, 4:8], blocks[:, 8:]), _half(blocks, 0), out=out)
+    out.add_(_half(blocks, 2))
 
 
 def _scale_min_k4(scales: Tensor) -> Tensor:
@@ -146,6 +170,8 @@ def _scale_min_k4(scales: Tensor) -> Tensor:
     return words.view(torch.uint8).view(-1, 2, 8)
 
 
+# The K-quants widen their quants with a copy and scale in place: on the CPU a uint8-by-float multiply
+# broadcast over sub-blocks runs slower than the two passes (the 32-blocks' one scale per row is faster fused).
 def _apply_k4_scales(blocks: Tensor, out: Tensor) -> None:
     """out [n, 256] holding quants 0..31 -> (d * sc_j) * q - (dmin * m_j) per sub-block j of 32."""
     d_dmin = blocks[:, :4].contiguous().view(torch.float16).float().unsqueeze(-1)   # [n, 2, 1]
@@ -159,20 +185,18 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 144] -> out [
 
 
 def _q5_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 176] -> out [n, 256]
-    q = torch.empty(out.shape, dtype=torch.uint8, device=out.device)           # [n, 256]
-    _split_nibbles(blocks[:, 48:].view(-1, 4, 32), q.view(-1, 4, 2, 32))
+    q = _nibbles(blocks[:, 48:], 4)                                              # [n, 4, 2, 32]
     _or_high_bits(q.view(-1, 8, 32), blocks[:, 16:48], 1)
-    out.copy_(q)
+    out.copy_(q.view(-1, 256))
     _apply_k4_scales(blocks, out)
 
 
 def _q6_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 210] -> out [n, 256]
     # each 128-element half h takes ql[64h : 64h + 64] (low nibbles, then high) and 2-bit fields of qh[32h : 32h + 32]
-    q = torch.empty(out.shape, dtype=torch.uint8, device=out.device)           # [n, 256]
-    _split_nibbles(blocks[:, :128].view(-1, 2, 64), q.view(-1, 2, 2, 64))
+    q = _nibbles(blocks[:, :128], 2)                                             # [n, 2, 2, 64]
     _or_high_bits(q.view(-1, 2, 4, 32), blocks[:, 128:192].view(-1, 2, 32), 2)
     scale = (_half(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).unsqueeze(-1)   # [n, 16, 1]
-    out.copy_(q).sub_(32).view(-1, 16, 16).mul_(scale)
+    out.copy_(_centered(q, 32).view(-1, 256)).view(-1, 16, 16).mul_(scale)
 
 
 _DECODERS = {
