@@ -227,6 +227,22 @@ def test_tokenizer_mismatch_is_refused(target, tmp_path):
         check_tokenizers_match(target.path, folder)
 
 
+def test_a_copied_tokenizer_is_parsed_once_and_a_changed_one_anew(target, tmp_path):
+    from offload.weights.tokenizer import Tokenizer
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((target.path / name).read_bytes())
+    check_tokenizers_match(target.path, copy)              # identical files: accepted without parsing
+    first, second = Tokenizer(target.path), Tokenizer(copy)
+    assert first._fast is second._fast
+    _write_tokenizer(copy, rename={"w7": "seven"})
+    changed = Tokenizer(copy)
+    assert changed._fast is not first._fast and changed.token_id("seven") == 7 and first.token_id("seven") is None
+    with pytest.raises(ValueError, match="token 'w7'"):
+        check_tokenizers_match(target.path, copy)
+
+
 def test_rank_counts_hand_computed():
     vocab_map = torch.tensor([3, 5, 7, 9])                       # draft rows -> target ids
     row_of = out_of_set_rows(vocab_map, 12)

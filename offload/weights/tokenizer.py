@@ -6,6 +6,7 @@ adding special tokens; a test checks token-for-token agreement with transformers
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from datetime import datetime
@@ -34,7 +35,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{folder} has no tokenizer.json (a fast tokenizer is required)")
-        self._fast = FastTokenizer.from_file(str(path))
+        self._fast = _fast_tokenizer(path)
         settings = _read_json(folder / "tokenizer_config.json")
         self.special_tokens = {k: _content(settings.get(k)) for k in SPECIAL_TOKEN_KEYS if settings.get(k)}
         self.chat_template = _chat_template(folder, settings)
@@ -86,6 +87,21 @@ class StreamDecoder:
             return ""
         delta, self.emitted = text[len(self.emitted):], text
         return delta
+
+
+def _fast_tokenizer(path: Path) -> FastTokenizer:
+    """One parsed tokenizer per distinct tokenizer.json content (a draft folder carries a copy of its
+    target's). Shared read-only: no padding or truncation is ever set on it."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).digest()
+    if digest not in _PARSED:
+        if len(_PARSED) >= 4:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[digest] = FastTokenizer.from_str(data.decode("utf-8"))
+    return _PARSED[digest]
+
+
+_PARSED: dict[bytes, FastTokenizer] = {}     # sha256 of a tokenizer.json -> its parse, oldest first
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
