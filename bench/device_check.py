@@ -75,7 +75,8 @@ class RandomSource:
     def layout(self, dtype: torch.dtype) -> LayerLayout:
         return LayerLayout.from_tensors(self.layer(0), dtype)
 
-    def decode_layer(self, index: int, stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    def decode_layer(self, index: int, stored: dict[str, torch.Tensor], dtype: torch.dtype,
+                     shared: bool = False) -> dict:
         return stored
 
 

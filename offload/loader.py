@@ -155,13 +155,15 @@ def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,
                   device: torch.device, dtype: torch.dtype) -> PlanRequest:
-    # a source that decodes resident layers once (GGUF) keeps them dense, and decodes streamed ones
-    # into a dense workspace per ring slot
+    # a source that decodes resident layers once (GGUF) keeps them dense, and decodes each streamed one just
+    # before its use into one dense workspace, or with a decoder thread ahead into a dense layer per ring slot
     dense_bytes = source.dense_layer_bytes(dtype) if hasattr(source, "dense_layer") else 0
+    ahead = options.decode_ahead
     return PlanRequest(
         decode_vs_transfer=DECODE_VS_TRANSFER[device.type == "cuda"],
         config=source.config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
-        resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes,
+        resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes if ahead else 0,
+        decode_workspace_bytes=0 if ahead else dense_bytes,
         device_budget=options.gpu_mem or default_device_budget(device),
         host_budget=options.ram or default_host_budget(),
         draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
@@ -183,20 +185,23 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=_decoder(source, tier_of, dtype, decode_once is not None, plan.request.resident_packed),
+                           decode=_decoder(source, tier_of, dtype, decode_once is not None, plan.request.resident_packed,
+                                           options.decode_ahead),
                            decode_ahead=options.decode_ahead)
 
 
 def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool,
-             resident_packed: bool):
-    """The ring's decode: resident decoded layers as they are; resident packed ones into the one workspace
-    they share (a layer is released before the next one is decoded); streamed ones per ring slot."""
+             resident_packed: bool, ahead: bool):
+    """The ring's decode: resident decoded layers as they are; a layer decoded just before its use (resident
+    packed, or streamed) into the one workspace they all share, which stays in cache between layers (the
+    compute releases a layer before the next is decoded; on CUDA both run in order on the compute stream);
+    a streamed layer a decoder thread decodes ahead into its ring slot's own workspace."""
     def decode(index: int, stored: dict) -> dict:
         if tier_of[index] == "device" and resident_decoded:
             return stored
         if tier_of[index] == "device" and resident_packed:
             return source.decode_layer(index, stored, dtype, shared=True)
-        return source.decode_layer(index, stored, dtype)
+        return source.decode_layer(index, stored, dtype, shared=not ahead)
     return decode
 
 

@@ -43,14 +43,17 @@ class PlanRequest:
     ring_size: int = 2
     device_is_cpu: bool = False    # the CPU's math attention materialises the score matrix
     resident_layer_bytes: int = 0  # one layer kept on the device, when it differs from layer_bytes (decoded once)
-    ring_decode_bytes: int = 0     # a ring slot's dense decode workspace (packed formats decoded per layer)
-    decode_workspace_bytes: int = 0  # one dense layer a format decoded at every use (SpQR) writes, reused
+    ring_decode_bytes: int = 0     # a ring slot's dense layer, where a decoder thread decodes ahead into each slot
+    # one dense layer that every layer decoded just before its use writes, in turn (SpQR; GGUF's streamed and
+    # resident packed layers): needed while anything streams, or while resident layers are decoded at use
+    decode_workspace_bytes: int = 0
     num_sequences: int = 1         # sequences decoded together: a KV cache slot of max_context tokens each
     # A source that can decode resident layers once (resident_layer_bytes > layer_bytes) may instead keep
     # them packed and decode each at every use, into one shared dense workspace: more layers fit on the
     # device, each costs a decode per pass. decode_vs_transfer: one layer's decode time over the time its
     # packed bytes take to stream (make_plan's only speed input); None: never kept packed.
     decode_vs_transfer: float | None = None
+    resident_packed: bool = False  # make_plan's choice: device layers of a decode-once source kept packed
 
     @property
     def device_layer_bytes(self) -> int:
@@ -71,11 +74,6 @@ class PlanRequest:
     @property
     def can_keep_resident_packed(self) -> bool:
         return self.decode_vs_transfer is not None and self.resident_layer_bytes > self.layer_bytes
-
-    @property
-    def resident_packed(self) -> bool:
-        """Device layers of a decode-once source kept packed, decoded into the shared workspace at each use."""
-        return not self.resident_layer_bytes and bool(self.decode_workspace_bytes and self.ring_decode_bytes)
 
 
 @dataclass(slots=True)
@@ -139,8 +137,9 @@ def kv_cache_tokens(request: PlanRequest) -> int:
     return request.num_sequences * request.max_context
 
 
-def _fixed_items(request: PlanRequest) -> list[PlanItem]:
-    """What never streams: globals, draft, KV cache, workspace."""
+def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
+    """What never streams: globals, draft, KV cache, workspaces (the decode workspace only where some layer
+    is decoded at its use: `streams`, or resident layers not decoded once)."""
     cfg = request.config
     fixed = [PlanItem("embeddings, final norm, LM head", "device", request.global_bytes),
              PlanItem(_kv_label(request), "device", kv_cache_bytes(cfg, kv_cache_tokens(request), request.dtype_bytes)),
@@ -150,7 +149,7 @@ def _fixed_items(request: PlanRequest) -> list[PlanItem]:
         fixed.insert(1, PlanItem("draft KV cache", "device", request.draft_kv_token_bytes * kv_cache_tokens(request)))
     if request.draft_bytes:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
-    if request.decode_workspace_bytes:
+    if request.decode_workspace_bytes and (streams or not request.resident_layer_bytes):
         fixed.append(PlanItem("decode workspace (1 dense layer)", "device", request.decode_workspace_bytes))
     return fixed
 
@@ -195,8 +194,9 @@ def make_plan(request: PlanRequest) -> Plan:
     plan = _make_plan(request)
     if not request.can_keep_resident_packed or all(t == "device" for t in plan.tier_of):
         return plan
-    packed_request = replace(request, resident_layer_bytes=0, decode_workspace_bytes=request.resident_layer_bytes)
-    # (the dense workspace every resident packed layer decodes into, one for all of them)
+    packed_request = replace(request, resident_layer_bytes=0, decode_workspace_bytes=request.resident_layer_bytes,
+                             resident_packed=True)
+    # (the dense workspace every resident packed layer decodes into, one for all of them and the streamed ones)
     try:
         packed = _make_plan(packed_request)
     except PlanError:
@@ -215,12 +215,13 @@ def _pass_cost(plan: Plan) -> float:
 
 def _make_plan(request: PlanRequest) -> Plan:
     cfg = request.config
+    resident_only = _fixed_items(request, streams=False)
+    all_layers = cfg.num_layers * request.device_layer_bytes
+    if sum(item.num_bytes for item in resident_only) + all_layers <= request.device_budget:
+        tier_of = ["device"] * cfg.num_layers
+        return Plan(request, tier_of, resident_only + _layer_items(tier_of, request))
     fixed = _fixed_items(request)
     fixed_bytes = sum(item.num_bytes for item in fixed)
-    all_layers = cfg.num_layers * request.device_layer_bytes
-    if fixed_bytes + all_layers <= request.device_budget:
-        tier_of = ["device"] * cfg.num_layers
-        return Plan(request, tier_of, fixed + _layer_items(tier_of, request))
     ring = request.ring_size * request.ring_slot_bytes
     if fixed_bytes + ring > request.device_budget and request.num_sequences > 1:
         largest = largest_batch(request, request.num_sequences)

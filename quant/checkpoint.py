@@ -145,7 +145,7 @@ class SpqrSource:
         size = -(-largest // ALIGNMENT) * ALIGNMENT
         return LayerLayout((TensorSlot("packed", torch.uint8, (size,), 0),), size)
 
-    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict:
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype, shared: bool = False) -> dict:
         inner = self.inner[index]
         views = inner.views(stored["packed"][:inner.num_bytes])
         weights = packed_linears({name: self._matrix(views, name) for name in MATRICES}, dtype)

@@ -60,15 +60,15 @@ def request_for_weights(config: ModelConfig, weights: WeightBytes, dtype_bytes: 
                         max_tree: int = 2048, ring_size: int = 2, device_is_cpu: bool = False) -> PlanRequest:
     """A plan request with decoder layers as `weights` stores and streams them; globals, KV cache and
     activations in the compute dtype (`dtype_bytes`). Packed layers need a dense layer to decode into:
-    GGUF in place keeps resident layers dense (or packed, where the planner finds that cheaper) and one dense
-    workspace per ring slot (as the loader plans GgufSource); a format decoded at every use (SpQR) one dense
-    workspace."""
+    GGUF in place keeps resident layers dense (or packed, where the planner finds that cheaper) and decodes
+    streamed ones into one dense workspace (as the loader plans GgufSource); a format decoded at every use
+    (SpQR) one dense workspace too."""
     base = request_from_config(config, dtype_bytes, device_budget, host_budget, draft, max_context, max_tree,
                                ring_size, device_is_cpu)
     dense = config.layer_param_count * dtype_bytes
     extra = {}
     if weights.resident_dense:
-        extra = dict(resident_layer_bytes=dense, ring_decode_bytes=dense,
+        extra = dict(resident_layer_bytes=dense, decode_workspace_bytes=dense,
                      decode_vs_transfer=DECODE_VS_TRANSFER[not device_is_cpu])
     elif weights.is_packed:
         extra = dict(decode_workspace_bytes=dense)

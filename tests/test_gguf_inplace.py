@@ -166,12 +166,20 @@ def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tin
     streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
     assert streamed.plan.tier_of == ["ram", "disk", "disk"]
     ids = torch.randint(0, streamed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):   # the second pass reuses every ring slot's workspace
+    expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
+    for _ in range(2):   # every layer decodes into the one shared workspace, pass after pass
         got = streamed.model.forward(ids, streamed.model.new_cache(16)).logits
-        expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
         assert torch.isfinite(expected).all() and torch.equal(got, expected)
     assert streamed.layers.total.bytes_by_tier["disk"] == 4 * layer_bytes
+    assert [key[0] for key in streamed.source._workspaces] == ["shared"]
     streamed.layers.close()
+    ahead_options = replace(options, decode_ahead=True)
+    ahead = load_model(replace(ahead_options, gpu_mem=streaming_device_budget(ahead_options)))
+    assert ahead.plan.tier_of == ["ram", "disk", "disk"]
+    for _ in range(2):   # a decoder thread decodes each layer ahead into its ring slot's own workspace
+        assert torch.equal(ahead.model.forward(ids, ahead.model.new_cache(16)).logits, expected)
+    assert len(ahead.source._workspaces) == len(ahead.layers.slots) > 1
+    ahead.layers.close()
 
 
 def test_resident_layers_kept_packed_decode_at_each_use_to_the_dense_reference(tmp_path, cache, monkeypatch):

@@ -119,7 +119,7 @@ def test_resident_layers_kept_packed_only_where_that_costs_less_per_pass():
     base = request_from_config(config, 2, 24 * GIB, 64 * GIB)
     packed_bytes = base.layer_bytes // 3
     request = replace(base, layer_bytes=packed_bytes, resident_layer_bytes=base.layer_bytes,
-                      ring_decode_bytes=base.layer_bytes)
+                      decode_workspace_bytes=base.layer_bytes)
     never = make_plan(request)                                        # decode_vs_transfer None: decoded once
     decoded = never.tier_of.count("device")
     assert not never.request.resident_packed and decoded > 0

@@ -4,8 +4,8 @@ The file is memory-mapped, never converted. One layer's tensors are laid out as 
 packed buffer (each slot as large as that tensor's largest encoding over all layers: a Q4_K_M file mixes
 Q4_K and Q6_K), so the RAM tier holds a layer's blocks as they are in the file and the disk tier reads
 them with one pread per tensor. The ring moves the packed buffer to the compute device, where
-`decode_layer` dequantizes it (gguf_blocks, bit-exact to gguf.quants in float32) into a workspace reused
-by every layer that passes through the same ring slot. Layers the planner keeps on the device are
+`decode_layer` dequantizes it (gguf_blocks, bit-exact to gguf.quants in float32) just before its use into
+one workspace every such layer reuses (with a decoder thread decoding ahead: one per ring slot). Layers the planner keeps on the device are
 decoded once at load (`dense_layer`), the globals too.
 
 llama.cpp stores the q/k rows of llama-family heads with the two rotary halves interleaved; the
@@ -129,12 +129,12 @@ class GgufSource:
 
     def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype,
                      shared: bool = False) -> dict[str, Tensor]:
-        """A ring slot's packed layer -> dense tensors in `dtype`, written into that slot's workspace (valid
-        until the slot holds its next layer, which the ring never loads before this one is released).
-        `shared`: a resident packed layer, decoded into the one workspace all of them share on its device
-        (valid until the next resident layer's decode)."""
+        """A packed layer (a ring slot's, or a resident one) -> dense tensors in `dtype`. `shared`: written into
+        the one workspace on its device that every layer decoded just before its use shares (valid until the
+        next such decode); else into the workspace of the ring slot holding `stored` (valid until the slot
+        holds its next layer, which the ring never loads before this one is released)."""
         first = next(iter(stored.values()))
-        key = ("resident", first.device, dtype) if shared else (first.data_ptr(), dtype)
+        key = ("shared", first.device, dtype) if shared else (first.data_ptr(), dtype)
         workspace = self._workspaces.get(key)
         if workspace is None:
             workspace = self._workspaces[key] = self._empty_layer(first.device, dtype)

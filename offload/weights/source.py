@@ -49,9 +49,10 @@ class WeightSource(Protocol):
         """The one-buffer layout every layer fits (ring slots and tiers use it)."""
         ...
 
-    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict:
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype, shared: bool = False) -> dict:
         """A layer's stored tensors (views on the compute device) -> what the layer math takes: tensors,
-        or packed weights with `matmul(x)` and optionally `prepare()` (decode now, ahead of use)."""
+        or packed weights with `matmul(x)` and optionally `prepare()` (decode now, ahead of use). `shared`:
+        the layer is used before the next shared decode, so dense results may go to one reused workspace."""
         ...
 
     def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]: ...
@@ -114,7 +115,8 @@ class CheckpointSource:
     def layout(self, dtype: torch.dtype) -> LayerLayout:
         return LayerLayout.from_tensors(self.layer(0), dtype)
 
-    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype,
+                     shared: bool = False) -> dict[str, Tensor]:
         return stored
 
     def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]:
