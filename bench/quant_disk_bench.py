@@ -176,9 +176,14 @@ def _row(name: str, loaded: LoadedModel, passes: list[PassStats], dequantize: fl
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """Bytes per pass and tokens per second against each reference row."""
+    """Bytes per pass and tokens per second against each reference row: the ratio of the medians, and the
+    median of each round's own ratio (rows of one round run back to back, so a shared machine's slow phase
+    falls on both sides of that ratio)."""
     for reference in (r for r in rows if r["model"].startswith("reference-")):
         key = reference["model"].removeprefix("reference-")
         for row in rows:
             row[f"bytes_ratio_vs_{key}"] = round(reference["bytes_per_pass"] / row["bytes_per_pass"], 3)
             row[f"speedup_vs_{key}"] = round(row["tokens_per_second"] / reference["tokens_per_second"], 3)
+            paired = [ours / theirs for ours, theirs in zip(row["tokens_per_second_by_round"],
+                                                            reference["tokens_per_second_by_round"])]
+            row[f"paired_speedup_vs_{key}"] = round(statistics.median(paired), 3)

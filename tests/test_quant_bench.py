@@ -77,6 +77,9 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
         assert len(by_round) == 2 and abs(row["tokens_per_second"] - sum(by_round) / 2) <= 1e-3
     assert 1.9 < rows["reference-fp32"]["bytes_per_pass"] / rows["reference-bf16"]["bytes_per_pass"] <= 2  # + alignment
     assert rows["w4"]["bytes_ratio_vs_fp32"] > 4 and rows["reference-fp32"]["speedup_vs_fp32"] == 1.0
+    w4, bf16 = rows["w4"]["tokens_per_second_by_round"], rows["reference-bf16"]["tokens_per_second_by_round"]
+    paired = (w4[0] / bf16[0] + w4[1] / bf16[1]) / 2                   # each round's own ratio, then the median
+    assert rows["w4"]["paired_speedup_vs_bf16"] == pytest.approx(paired, abs=1e-3)
     assert rows["w4"]["per_layer_ms"]["dequantize"] > 0 == rows["reference-fp32"]["per_layer_ms"]["dequantize"]
     # the default row dequantizes on the compute thread, the -ahead row in the decoder thread
     assert rows["w4-ahead"]["per_layer_ms"]["decoded_ahead"] > 0 == rows["w4"]["per_layer_ms"]["decoded_ahead"]
