@@ -25,11 +25,11 @@ from offload.weights.resolve import resolve_model
 from offload.weights.tokenizer import Tokenizer
 from runtime.auto_budget import auto_budget
 from runtime.models import load_model
-from runtime.speculation import estimated_draft_bytes, estimated_draft_kv_token_bytes
+from runtime.speculation import DraftFootprint, estimated_draft_footprint
 from spec import SamplingConfig
 from spec.batch_speculator import BatchSpeculator
 from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, FixedTree, SharedBudget
-from spec.draft import default_draft_for, load_any_draft
+from spec.draft import load_any_draft, require_draft
 from bench.spec_bench import DISK_COLD_RESIDENT_LAYERS, MIN_PASS_TOKENS
 
 TIERS = ("ram", "disk")
@@ -68,10 +68,7 @@ class BatchBenchConfig:
 
     @property
     def draft_spec(self) -> str:
-        spec = self.draft or default_draft_for(self.target)
-        if spec is None:
-            raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`) or --no-draft")
-        return str(spec)
+        return require_draft(self.target, self.draft, " or --no-draft")
 
     def max_pass_tokens(self) -> int:
         largest_tree = (self.budget or self.max_budget) if self.use_draft else 1
@@ -116,11 +113,10 @@ def load_options(config: BatchBenchConfig, tier: str, max_context: int) -> LoadO
     """Planned for the largest batch; ram: every decoder layer streams from RAM; disk: bench spec's
     disk-cold budget (DISK_COLD_RESIDENT_LAYERS layers resident), no RAM tier, cold page cache."""
     dtype_bytes = choose_dtype(config.dtype, choose_device(config.device)).itemsize
+    draft = estimated_draft_footprint(config.draft_spec, dtype_bytes) if config.use_draft else DraftFootprint()
     options = LoadOptions(config.target, config.device, config.dtype, max_context=max_context,
                           max_pass_tokens=config.max_pass_tokens(), num_sequences=max(config.batch_sizes),
-                          draft_bytes=estimated_draft_bytes(config.draft_spec, dtype_bytes) if config.use_draft else 0,
-                          draft_kv_token_bytes=estimated_draft_kv_token_bytes(config.draft_spec, dtype_bytes)
-                          if config.use_draft else 0)
+                          draft_bytes=draft.weight_bytes, draft_kv_token_bytes=draft.kv_token_bytes)
     resident = DISK_COLD_RESIDENT_LAYERS if tier == "disk" else 0
     options.gpu_mem = streaming_device_budget(options, resident)
     if tier == "disk":

@@ -57,23 +57,19 @@ def _peer_rows(peers: dict, rows: list[dict]) -> None:
             rows.append(_row(PEER_NAMES.get(engine, engine), 1 / entry["seconds_per_token"], DECODE, "peers"))
 
 
-def disk_label(row: dict, is_gguf: bool) -> str:
-    """A quant-disk row's model as the tables name it (its `-ahead` twin decodes on a decoder thread)."""
-    name, ahead = row["model"].removesuffix("-ahead"), row["model"].endswith("-ahead")
-    if is_gguf and not name.startswith("reference-"):
-        name = "GGUF in place"
-    elif "-spqr-" in name:          # a cached checkpoint folder: <model>-spqr-w4-g32-s8-noact-t8-n128-s512-a3
-        name = "SpQR " + name.split("-spqr-", 1)[1].split("-t", 1)[0]
-    return name + (", decoder thread" if ahead else "")
+def disk_label(row: dict) -> str:
+    """A quant-disk row as the tables name it: its label (a SpQR checkpoint by its settings, "GGUF in place",
+    ", decoder thread" for the `-ahead` twin), else (a result recorded before rows had labels) its key."""
+    return row.get("label") or row["model"]
 
 
 def _disk_rows(disk: dict, rows: list[dict]) -> None:
     for row in disk.get("rows") or []:
-        rows.append(_row(f"specstream cold disk, {disk_label(row, False)}", row["tokens_per_second"], DECODE,
+        rows.append(_row(f"specstream cold disk, {disk_label(row)}", row["tokens_per_second"], DECODE,
                          "quant_disk"))
     for row in (disk.get("gguf_in_place") or {}).get("rows") or []:
         if not row["model"].startswith("reference-"):
-            rows.append(_row(f"specstream cold disk, {disk_label(row, True)}", row["tokens_per_second"], DECODE,
+            rows.append(_row(f"specstream cold disk, {disk_label(row)}", row["tokens_per_second"], DECODE,
                              "quant_disk"))
 
 
@@ -114,9 +110,9 @@ def ratio_rows(results: dict) -> list[dict]:
     for name, value in ((results.get("peers") or {}).get("ratios") or {}).items():
         add(f"{name} (seconds per token)", value, "peers", ">1: ours is faster")
     disk = results.get("quant_disk") or {}
-    for rows, is_gguf in ((disk.get("rows") or [], False), ((disk.get("gguf_in_place") or {}).get("rows") or [], True)):
+    for rows in (disk.get("rows") or [], (disk.get("gguf_in_place") or {}).get("rows") or []):
         for row in (r for r in rows if not r["model"].startswith("reference-")):
-            add(f"{disk_label(row, is_gguf)} / fp32 from a cold disk, tok/s", row.get("speedup_vs_fp32"), "quant_disk",
+            add(f"{disk_label(row)} / fp32 from a cold disk, tok/s", row.get("speedup_vs_fp32"), "quant_disk",
                 ">1: the packed weights are faster")
     llama = results.get("llama_cpp") or {}
     add("llama.cpp / ours resident, decode tok/s", llama.get("llama_cpp_over_ours_resident_tokens_per_second"),

@@ -11,10 +11,11 @@ compute stays under the dense model's transfer.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from offload.weights.resolve import resolve_model
 from offload.loader import streaming_device_budget
 from offload.stream import PassStats
 from spec import DecodeConfig, Decoder, SamplingConfig
-from bench.quant_bench import dequantize_seconds
+from bench.quant_bench import SpqrRow, dequantize_seconds
 from bench.start_bench import run_start_bench
 
 PROMPT = "Explain how a hash table handles collisions, with a short example in Python."
@@ -61,19 +62,19 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = l
     """Every model once per round, in turn, so that a shared machine's slow phases fall on all of them;
     each row holds the medians over the rounds."""
     reference = resolve_model(config.target, gguf_import=True)   # dense reference weights
-    runs = [(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
-             f"reference-{dtype}", False) for dtype in config.reference_dtypes]
+    runs = [_Run(str(reference if dtype == "fp32" else stored_copy(reference, dtype, on_status)), dtype,
+                 f"reference-{dtype}", f"reference-{dtype}") for dtype in config.reference_dtypes]
     if config.gguf_in_place:        # the GGUF's blocks decoded at use, and ahead by a decoder thread
         in_place = str(resolve_model(config.target))
-        runs += [(in_place, "fp32", "gguf-in-place", False), (in_place, "fp32", "gguf-in-place-ahead", True)]
+        runs += _with_ahead(_Run(in_place, "fp32", "gguf-in-place", "GGUF in place"))
     for folder in config.packed:    # dequantized at use (the default) and ahead by a decoder thread, side by side
-        runs += [(str(folder), "fp32", Path(folder).name, False), (str(folder), "fp32", f"{Path(folder).name}-ahead", True)]
+        runs += _with_ahead(_Run(str(folder), "fp32", Path(folder).name, checkpoint_label(Path(folder))))
     measured: dict[str, list[dict]] = {}
     for round_index in range(config.rounds):
-        for model, dtype, name, ahead in runs:
+        for run in runs:
             if config.rounds > 1:
                 on_status(f"round {round_index + 1}/{config.rounds}")
-            measured.setdefault(name, []).append(_measure(model, dtype, name, config, on_status, ahead))
+            measured.setdefault(run.name, []).append(_measure(run, config, on_status))
     rows = [_median_row(rows) for rows in measured.values()]
     _add_ratios(rows)
     result = {"bench": "quant-disk", "new_tokens": config.new_tokens, "rounds": config.rounds,
@@ -117,11 +118,34 @@ def stored_copy(folder: Path, dtype: str, on_status) -> Path:
     return out
 
 
-def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, on_status,
-             decode_ahead: bool = False) -> dict:
-    options = LoadOptions(model, dtype=dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
-                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=decode_ahead,
-                          formats=weight_formats())
+@dataclass(frozen=True, slots=True)
+class _Run:
+    model: str            # the folder (or file) loaded
+    dtype: str
+    name: str             # the row's key in the JSON
+    label: str            # the row as tables name it
+    ahead: bool = False   # packed layers decoded by a decoder thread between their read and their compute
+
+
+def _with_ahead(run: _Run) -> list[_Run]:
+    return [run, replace(run, name=f"{run.name}-ahead", label=f"{run.label}, decoder thread", ahead=True)]
+
+
+def checkpoint_label(folder: Path) -> str:
+    """A SpQR checkpoint named by its settings, as the tables name it (e.g. "SpQR w4-g32-s8-noact")."""
+    settings = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    try:
+        row = SpqrRow(settings["bits"], settings.get("outlier_threshold", 0.0), settings["groupsize"],
+                      settings["stats_bits"], settings.get("act_order", True))
+    except KeyError:
+        return folder.name
+    return "SpQR " + row.name.removeprefix("spqr-")
+
+
+def _measure(run: _Run, config: DiskBenchConfig, on_status) -> dict:
+    name = run.name
+    options = LoadOptions(run.model, dtype=run.dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
+                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=run.ahead, formats=weight_formats())
     options.gpu_mem = streaming_device_budget(options)
     loaded = load_model(options)
     try:
@@ -132,7 +156,7 @@ def _measure(model: str | None, dtype: str, name: str, config: DiskBenchConfig, 
         dequantize = dequantize_seconds(loaded) if packed is not None else 0.0
     finally:
         loaded.layers.close()
-    return _row(name, loaded, passes, dequantize)
+    return {"label": run.label, **_row(name, loaded, passes, dequantize)}
 
 
 def _decode(loaded: LoadedModel, config: DiskBenchConfig) -> list[PassStats]:

@@ -175,16 +175,15 @@ def _quant_disk(results, manifest, judge) -> str:
     d = results["quant_disk"]
     gguf = d.get("gguf_in_place") or {}
     # the GGUF call's own fp32 row only where the main call measured none (a quick run without SpQR)
-    rows = [(r, False) for r in d["rows"]] + [(r, True) for r in gguf.get("rows", [])
-                                              if not d["rows"] or not r["model"].startswith("reference-")]
+    rows = d["rows"] + [r for r in gguf.get("rows", []) if not d["rows"] or not r["model"].startswith("reference-")]
     parts = [f"Every layer streamed from disk with the page cache dropped before each pass; {d['new_tokens']} tokens, "
              f"{d['rounds']} round(s), medians; `decoder thread`: packed layers dequantized between their read and "
              "their compute (`LoadOptions.decode_ahead`)."]
     if rows:
         parts.append(table(["model", "tok/s", "MiB/pass", "x fp32", "wait ms/layer", "dequantize ms/layer"],
-                           [[disk_label(r, is_gguf), r["tokens_per_second"], round(r["bytes_per_pass"] / 2**20, 1),
+                           [[disk_label(r), r["tokens_per_second"], round(r["bytes_per_pass"] / 2**20, 1),
                              r.get("speedup_vs_fp32", "-"), r["per_layer_ms"]["wait"], r["per_layer_ms"]["dequantize"]]
-                            for r, is_gguf in rows]))
+                            for r in rows]))
     if d.get("spqr_skipped"):
         parts.append(f"SpQR w4 not measured: {d['spqr_skipped']}.")
     if "rows" in gguf:

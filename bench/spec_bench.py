@@ -23,11 +23,11 @@ from offload.loader import stop_token_ids, streaming_device_budget
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model, resolve_model
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
-from spec.draft import default_draft_for, load_any_draft
+from spec.draft import load_any_draft, require_draft
 from runtime.auto_budget import _pass_seconds, auto_budget
 from bench.journal import BenchJournal, changed_fields, fingerprint, result_from_dict, result_to_dict
 from bench.hf_draft import Peer, PeerRun, open_peer
-from runtime.speculation import estimated_draft_bytes, estimated_draft_kv_token_bytes
+from runtime.speculation import estimated_draft_footprint
 from bench.spec_report import mode_report, progress_line, summarize
 
 MODES = ("resident", "disk-cold")
@@ -79,19 +79,15 @@ class SpecBenchConfig:
 
     @property
     def draft_spec(self) -> str:
-        spec = self.draft or default_draft_for(self.target)
-        if spec is None:
-            raise ValueError("this target has no shipped draft: give --draft DIR (see `distill`)")
-        return str(spec)
+        return require_draft(self.target, self.draft)
 
 
 def load_options(config: SpecBenchConfig, mode: str) -> LoadOptions:
     """The target planned for the largest budget; disk-cold: a small device budget, no RAM tier."""
+    draft = estimated_draft_footprint(config.draft_spec, _dtype_bytes(config.dtype))
     options = LoadOptions(config.target, dtype=config.dtype, max_context=config.max_context,
-                          max_pass_tokens=config.max_pass_tokens,
-                          draft_bytes=estimated_draft_bytes(config.draft_spec, _dtype_bytes(config.dtype)),
-                          draft_kv_token_bytes=estimated_draft_kv_token_bytes(config.draft_spec,
-                                                                              _dtype_bytes(config.dtype)))
+                          max_pass_tokens=config.max_pass_tokens, draft_bytes=draft.weight_bytes,
+                          draft_kv_token_bytes=draft.kv_token_bytes)
     if mode == "disk-cold":
         options.gpu_mem, options.ram = config.gpu_mem or disk_cold_gpu_mem(config), 1
         options.disk_cold = True

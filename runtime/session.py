@@ -15,7 +15,7 @@ from spec.budget import BudgetChooser, check_budget
 from spec.draft import is_draft_folder, load_draft
 from .auto_budget import auto_budget, pass_time_curve, throughput_batch
 from .models import load_model, weight_formats
-from .speculation import (DraftUnavailable, choose_draft, estimated_draft_bytes, estimated_draft_kv_token_bytes,
+from .speculation import (DraftUnavailable, choose_draft, estimated_draft_footprint,
                           load_draft_for, max_budget_for)
 from .stop import HeldBackText, StopStrings
 
@@ -98,13 +98,13 @@ class Session:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
         does not fit the device budget halves the largest tree instead of failing."""
         config = self.config
+        draft = estimated_draft_footprint(self.draft_choice.spec, self._dtype_bytes())
         while True:
             self.options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
                                        gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
                                        max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
-                                       draft_bytes=self._draft_bytes(), formats=weight_formats(),
-                                       draft_kv_token_bytes=self._draft_kv_token_bytes(),
-                                       gguf_import=config.gguf_import)
+                                       draft_bytes=draft.weight_bytes, formats=weight_formats(),
+                                       draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import)
             self.options.num_sequences = self._batch_size(self.options)
             try:
                 return _load_target(self.options, on_status, on_progress), max_budget
@@ -137,12 +137,6 @@ class Session:
 
     def _dtype_bytes(self) -> int:
         return choose_dtype(self.config.dtype, choose_device(self.config.device)).itemsize
-
-    def _draft_bytes(self) -> int:
-        return estimated_draft_bytes(self.draft_choice.spec, self._dtype_bytes())
-
-    def _draft_kv_token_bytes(self) -> int:
-        return estimated_draft_kv_token_bytes(self.draft_choice.spec, self._dtype_bytes())
 
     def _load_draft(self, on_status, on_warning, on_progress):
         if not self.draft_choice.spec:

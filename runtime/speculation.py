@@ -50,23 +50,25 @@ def _draft_config(spec: str | None) -> ModelConfig | None:
         return None
 
 
-def estimated_draft_kv_token_bytes(spec: str | None, dtype_bytes: int) -> int:
-    """A draft's KV cache bytes per cached token, from its config alone; 0 when unknown."""
-    config = _draft_config(spec)
-    return 0 if config is None else kv_cache_bytes(config, 1, dtype_bytes)
+@dataclass(frozen=True, slots=True)
+class DraftFootprint:
+    """What a draft will take on the device, from its config alone (zeros when unknown): its weights, and
+    its KV cache per cached token (the target's plan makes room for both)."""
+    weight_bytes: int = 0
+    kv_token_bytes: int = 0
 
 
-def estimated_draft_bytes(spec: str | None, dtype_bytes: int) -> int:
-    """Device bytes a draft's weights will take, from its config alone (for the target's plan); 0 when unknown."""
+def estimated_draft_footprint(spec: str | None, dtype_bytes: int) -> DraftFootprint:
     config = _draft_config(spec)
     if config is None:
-        return 0
+        return DraftFootprint()
     folder = Path(spec).expanduser()
     layers = config.num_layers * config.layer_param_count
     if is_draft_folder(folder):          # the embedding is the target's; the head has K rows
-        head = read_draft_info(folder).vocab_top * config.hidden_size
-        return (layers + head) * dtype_bytes
-    return (layers + config.global_param_count) * dtype_bytes
+        weights = layers + read_draft_info(folder).vocab_top * config.hidden_size
+    else:
+        weights = layers + config.global_param_count
+    return DraftFootprint(weights * dtype_bytes, kv_cache_bytes(config, 1, dtype_bytes))
 
 
 def load_draft_for(choice: DraftChoice, target: LoadedModel, options: LoadOptions, on_status=None,

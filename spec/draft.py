@@ -100,6 +100,15 @@ def default_draft_for(target: str | None) -> Path | None:
     return DEFAULT_TARGET_DRAFT if (DEFAULT_TARGET_DRAFT / "config.json").exists() else None
 
 
+def require_draft(target: str | None, draft: str | None, alternative: str = "") -> str:
+    """The draft a run speculates with: the one named, else the target's shipped draft; a ValueError naming
+    --draft (and `alternative`, e.g. " or --no-draft") when there is neither."""
+    spec = draft or default_draft_for(target)
+    if spec is None:
+        raise ValueError(f"this target has no shipped draft: give --draft DIR (see `distill`){alternative}")
+    return str(spec)
+
+
 def _derived_from(target: str) -> str | None:
     config = Path(target).expanduser() / "config.json"
     try:

@@ -249,9 +249,17 @@ def test_batch_rows_are_one_series_per_tier_and_mode():
     assert "specstream batched, ram, speculative, 4 sequences" in engines and len(engines) == 4
 
 
-def test_a_cached_spqr_checkpoint_is_named_by_its_settings_in_the_tables():
+def test_a_spqr_checkpoint_is_named_by_its_settings_in_the_tables(tmp_path):
     from bench.figures import disk_label
-    row = {"model": "SmolLM2-135M-Instruct.Q4_1-215dc1-spqr-w4-g32-s8-noact-t8-n128-s512-a3-ahead"}
-    assert disk_label(row, False) == "SpQR w4-g32-s8-noact, decoder thread"
-    assert disk_label({"model": "reference-bf16"}, True) == "reference-bf16"
-    assert disk_label({"model": "gguf-in-place"}, True) == "GGUF in place"
+    from bench.quant_disk_bench import checkpoint_label
+    folder = tmp_path / "SmolLM2-135M-Instruct.Q4_1-215dc1-spqr-cache-key"
+    folder.mkdir()
+    settings = {"bits": 4, "groupsize": 32, "stats_bits": 8, "outlier_threshold": 8.0, "act_order": False}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": settings}))
+    assert checkpoint_label(folder) == "SpQR w4-g32-s8-noact"
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {**settings, "groupsize": 16,
+                                                                            "stats_bits": 3, "act_order": True}}))
+    assert checkpoint_label(folder) == "SpQR w4"
+    row = {"model": folder.name + "-ahead", "label": "SpQR w4, decoder thread"}
+    assert disk_label(row) == "SpQR w4, decoder thread"
+    assert disk_label({"model": "reference-bf16"}) == "reference-bf16"   # a row recorded before labels

@@ -182,6 +182,35 @@ def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tin
     ahead.layers.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_every_tier_decodes_gguf_layers_through_one_workspace(device, tmp_path, cache, monkeypatch):
+    """Resident layers kept packed, others streamed from RAM (pinned on CUDA, copied on the copy stream) and
+    from disk: each decodes just before its use into the one shared workspace; pass after pass, the dense
+    reference's logits on the same device."""
+    import offload.loader
+    monkeypatch.setitem(offload.loader.DECODE_VS_TRANSFER, False, 0.25)     # the CPU plans as CUDA does
+    path = write_tiny_gguf(tmp_path / "six.gguf", layers=6)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "config.json").write_text((resolve_model(str(path)) / "config.json").read_text())
+    write_safetensors(reference / "model.safetensors", reference_tensors(path))
+    settings = dict(device=device, dtype="fp32", max_context=64, max_pass_tokens=16)
+    dense = build_engine(CheckpointSource(reference), LoadOptions(str(reference), **settings))
+    folder = resolve_model(str(path))
+    layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
+    options = LoadOptions(str(path), ram=2 * layer_bytes, **settings)
+    options.gpu_mem = streaming_device_budget(options) + 2 * layer_bytes    # room for two packed layers
+    streamed = load_model(options)
+    assert streamed.plan.request.resident_packed and streamed.plan.tier_of == ["device"] * 2 + ["ram"] * 2 + ["disk"] * 2
+    ids = torch.randint(0, streamed.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2)).to(device)
+    expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
+    for _ in range(3):
+        assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
+    assert [key[0] for key in streamed.source._workspaces] == ["shared"]
+    streamed.layers.close()
+
+
 def test_resident_layers_kept_packed_decode_at_each_use_to_the_dense_reference(tmp_path, cache, monkeypatch):
     """Where decoding costs less than streaming (DECODE_VS_TRANSFER), the planner keeps resident layers
     packed (more of them fit) and one shared workspace takes each at its use: same logits, pass after pass."""

@@ -71,6 +71,7 @@ def test_disk_bench_streams_every_layer_cold_and_compares_bytes_and_speed(tmp_pa
     result = run_disk_bench(DiskBenchConfig(str(folder), [packed], new_tokens=4, rounds=2), on_status=lambda m: None)
     rows = {row["model"]: row for row in result["rows"]}
     assert list(rows) == ["reference-fp32", "reference-bf16", "w4", "w4-ahead"]
+    assert rows["w4"]["label"] == "SpQR w4" and rows["w4-ahead"]["label"] == "SpQR w4, decoder thread"
     for row in rows.values():
         assert row["layers_from_disk"] == 3 and row["decode_passes"] >= 1 and row["tokens_per_second"] > 0
         by_round = row["tokens_per_second_by_round"]          # the median of two rounds is their mean
