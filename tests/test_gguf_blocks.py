@@ -180,3 +180,29 @@ def test_a_failing_fused_kernel_warns_once_and_leaves_the_torch_path(monkeypatch
     assert kernel.run("dequantize_q4_k", raw, (2, 256), torch.float32, None) is None
     assert len(calls) == 1 and not kernel.usable
     assert OptionalKernel("no_such_module_anywhere", "x").module is None      # no Triton: no kernel
+
+
+def test_the_ggml_type_table_agrees_with_the_gguf_package():
+    """The runtime's own table (it reads headers without importing gguf) names and sizes every type as
+    gguf does, and holds every type gguf had when it was written."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from offload.weights.ggml_types import QUANT_SIZES, GGMLType, type_name
+    for member in GGMLType:
+        assert GGMLQuantizationType(member.value).name == member.name
+        assert QUANT_SIZES[member] == GGML_QUANT_SIZES[GGMLQuantizationType(member.value)], member.name
+    assert {t.value for t in GGMLQuantizationType if t.value <= 35} <= {t.value for t in GGMLType}
+    newer = [t for t in GGMLQuantizationType if t.value not in {m.value for m in GGMLType}]
+    assert all(type_name(t.value) == t.name for t in newer)      # named by gguf where the table lacks them
+    assert type_name(1000) == "unknown type 1000"
+
+
+def test_a_later_start_does_not_import_the_gguf_package():
+    """Reading a GGUF's header and decoding its blocks use the runtime's own GGML table (importing gguf
+    costs 0.1 s of every start); only the first start, which writes the config and tokenizer, reads the
+    file with gguf's reader."""
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-X", "importtime", str(repo / "cli.py"), "run", "Hi", "--max-new-tokens", "1"]
+    subprocess.run(command, capture_output=True, check=True, cwd=repo)          # the first start, if any
+    imported = subprocess.run(command, capture_output=True, text=True, check=True, cwd=repo).stderr
+    modules = [line.rsplit("|", 1)[-1].strip() for line in imported.splitlines() if line.startswith("import time:")]
+    assert "torch" in modules and not [m for m in modules if m == "gguf" or m.startswith("gguf.")]

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf.quants import quantize as gguf_quantize
 from torch import Tensor
 
 from offload.fused import OptionalKernel
+from offload.weights.ggml_types import QUANT_SIZES as GGML_QUANT_SIZES, GGMLType as T
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 # gguf.quants.quantize implements these (the K-quants only decode in the gguf package)
@@ -298,4 +297,5 @@ def quantize_reference(qtype: T, weights: np.ndarray) -> np.ndarray:
         names = ", ".join(t.name for t in REFERENCE_QUANTIZED_TYPES)
         raise ValueError(f"gguf.quants.quantize cannot produce {qtype.name}; it can produce: {names}")
     packed_nbytes(qtype, weights.shape)
+    from gguf.quants import quantize as gguf_quantize          # the reference, for tests and benchmarks only
     return np.ascontiguousarray(gguf_quantize(weights.astype(np.float32), qtype)).view(np.uint8).reshape(-1)

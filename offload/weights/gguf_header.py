@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from offload.weights.ggml_types import QUANT_SIZES, GGMLType, type_name
 
 DEFAULT_ALIGNMENT = 32
 SUPPORTED_VERSIONS = (2, 3)
@@ -42,16 +43,13 @@ class GgufTensorInfo:
 
     @property
     def type_name(self) -> str:
-        try:
-            return GGMLQuantizationType(self.qtype).name
-        except ValueError:
-            return f"unknown type {self.qtype}"
+        return type_name(self.qtype)
 
     @property
     def num_bytes(self) -> int | None:
-        """Bytes the type and shape need; None for a type gguf does not know."""
+        """Bytes the type and shape need; None for a type the GGML table does not know."""
         try:
-            block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
+            block_size, block_bytes = QUANT_SIZES[GGMLType(self.qtype)]
         except (ValueError, KeyError):
             return None
         numel = int(np.prod(self.shape, dtype=np.int64))

@@ -10,13 +10,16 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from gguf import GGUFReader
 
 from offload.weights.disk_errors import write_text_atomic, writing
 from offload.weights.gguf_names import HF_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, check_architecture
 from offload.weights.gguf_tensors import TensorJob, plan_tensors, storage_dtype, write_shards
+
+if TYPE_CHECKING:                  # imported when a file is converted, not at start-up
+    from gguf import GGUFReader
 
 FORMAT_NAME = "gguf-import"
 FORMAT_VERSION = 4  # 2: streamed conversion, sharded, bf16 above 1B parameters; 3-4: special tokens from metadata only
@@ -80,6 +83,7 @@ def _convert(reader: GGUFReader, gguf_path: Path, jobs: list[TensorJob], skipped
 
 def open_gguf(gguf_path: Path) -> GGUFReader:
     """The file's parsed header (tensor data stays memory-mapped, unread)."""
+    from gguf import GGUFReader
     try:
         return GGUFReader(gguf_path)
     except (ValueError, OSError) as err:

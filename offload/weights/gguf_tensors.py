@@ -9,14 +9,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from offload.weights.gguf_names import hf_tensor_name
 from offload.weights.safetensors_io import SafetensorsStreamWriter
+
+if TYPE_CHECKING:                  # the import path loads `gguf` when it runs, not at start-up
+    from gguf import GGMLQuantizationType, GGUFReader
 
 MAX_SHARD_BYTES = 2 << 30
 MAX_CHUNK_BYTES = 32 << 20          # fp32 bytes dequantized at once
@@ -124,6 +126,7 @@ def _convert_rows(fd: int, job: TensorJob, start: int, stop: int) -> torch.Tenso
     row_bytes = job.num_bytes // _num_rows(job)
     raw = _pread(fd, job.offset + start * row_bytes, (stop - start) * row_bytes)
     shape = (stop - start, *job.shape[1:]) if len(job.shape) > 1 else job.shape
+    from gguf.quants import dequantize
     values = dequantize(raw.reshape(stop - start, row_bytes), job.qtype).reshape(shape)  # fp32
     if job.num_heads:
         values = reverse_permute(values, job.num_heads * (stop - start) // _num_rows(job))

@@ -16,9 +16,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGMLQuantizationType as T
 
 from offload.model.config import ModelConfig
+from offload.weights.ggml_types import GGMLType as T
 from offload.weights.gguf_blocks import block_geometry, packed_nbytes
 from offload.weights.gguf_header import CorruptGgufError, GgufHeader, GgufTensorInfo, read_header
 from offload.weights.gguf_model import check_model_metadata
