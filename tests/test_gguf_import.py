@@ -233,6 +233,41 @@ def _saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
 
+def test_the_header_reads_special_tokens_as_gguf_reader_does(synthetic):
+    """In place, the first start reads the special tokens from the runtime's own header parse (only the
+    strings it needs); they equal what gguf's reader gives, on the default model and on synthetic files."""
+    from offload.weights.gguf_header import CorruptGgufError, read_header
+    from offload.weights.gguf_import import header_special_tokens, special_tokens
+    from offload.weights.resolve import default_model_gguf
+    for path in [default_model_gguf(), *synthetic.values()]:
+        reader = open_gguf(path)
+        header = read_header(path)
+        assert header_special_tokens(header) == special_tokens(reader, path) != {}
+        tokens = reader.get_field("tokenizer.ggml.tokens").contents()
+        picks = [len(tokens) - 1, 0, len(tokens) // 2, 0]
+        assert header.strings_at("tokenizer.ggml.tokens", picks) == {i: tokens[i] for i in picks}
+        with pytest.raises(CorruptGgufError, match="strings"):
+            header.strings_at("tokenizer.ggml.tokens", [len(tokens)])
+
+
+def test_config_and_tokenizer_come_from_one_parse_of_the_file(synthetic, cache, monkeypatch):
+    """transformers reads the whole GGUF for the config and again for the tokenizer; the metadata writer
+    lets it parse once (seconds saved on a first start) and leaves transformers as it found it."""
+    import transformers.modeling_gguf_pytorch_utils as module
+    from offload.weights.gguf_model import gguf_model_folder
+    original, calls = module.load_gguf_checkpoint, []
+
+    def counted(path, *args, **kwargs):
+        calls.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "load_gguf_checkpoint", counted)
+    folder = gguf_model_folder(synthetic[next(iter(CASES))])
+    assert len(calls) == 1 and module.load_gguf_checkpoint is counted
+    assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 1
+    assert Tokenizer(folder).special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+
+
 def test_special_tokens_come_from_the_gguf_metadata_not_transformers_reader(synthetic, cache, monkeypatch):
     """transformers 5.17's GGUF tokenizer reader made the bos the eos (seen on the default model); the
     import must write the ids and texts the file names, whatever the installed transformers does."""

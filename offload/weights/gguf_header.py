@@ -58,11 +58,18 @@ class GgufTensorInfo:
         return numel // block_size * block_bytes
 
 
+@dataclass(slots=True, frozen=True)
+class StringArray:
+    """A metadata array of strings (a token list), kept as where it lies: read items with `strings_at`."""
+    count: int
+    offset: int                # absolute file offset of the first string's length
+
+
 @dataclass(slots=True)
 class GgufHeader:
     path: Path
     version: int
-    metadata: dict[str, object]           # string arrays are kept as their length only (token lists)
+    metadata: dict[str, object]           # string arrays as StringArray (token lists hold 100k+ strings)
     tensors: dict[str, GgufTensorInfo]    # in file order
     file_size: int
 
@@ -71,6 +78,22 @@ class GgufHeader:
         if value is None:
             raise CorruptGgufError(f"{self.path}: GGUF metadata lacks {key!r}")
         return value
+
+    def strings_at(self, key: str, indices: list[int]) -> dict[int, str]:
+        """Items `indices` (each within the array) of the string array `key`, read from the file."""
+        array = self.field(key)
+        if not isinstance(array, StringArray):
+            raise CorruptGgufError(f"{self.path}: GGUF metadata {key!r} is not an array of strings")
+        if any(not 0 <= i < array.count for i in indices):
+            raise CorruptGgufError(f"{self.path}: {key!r} has {array.count} strings, not item {max(indices)}")
+        found: dict[int, str] = {}
+        with open(self.path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data, self.path)
+            cursor.pos, done = array.offset, 0
+            for index in sorted(set(indices)):
+                cursor.pos = cursor.skip_strings(index - done)
+                found[index], done = cursor.string(), index + 1
+        return found
 
 
 class _Cursor:
@@ -111,13 +134,14 @@ class _Cursor:
             values = np.frombuffer(self.data, _NUMPY[item_type], count, self.pos).copy()
             self.pos += size
             return values.tolist() if count <= 64 else values
-        if item_type == 8:  # token lists: skipped (the tokenizer files are written once from gguf's reader)
-            self.pos = self._skip_strings(count)
-            return count
+        if item_type == 8:  # token lists: skipped, read on demand (strings_at)
+            array = StringArray(count, self.pos)
+            self.pos = self.skip_strings(count)
+            return array
         return [self.value(item_type) for _ in range(count)]
 
 
-    def _skip_strings(self, count: int) -> int:
+    def skip_strings(self, count: int) -> int:
         """The position after `count` strings from here (a tight loop: token lists hold 100k+ strings)."""
         data, pos, length_at = self.data, self.pos, _LENGTH.unpack_from
         try:

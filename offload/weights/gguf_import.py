@@ -4,17 +4,21 @@ a 70B GGUF needs a few hundred MB of RAM, not the model in fp32. Config, tokeniz
 come from the GGUF metadata through transformers' GGUF readers, which need no model (nor accelerate)."""
 from __future__ import annotations
 
+import copy
 import hashlib
+import importlib
 import json
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from offload.weights.disk_errors import write_text_atomic, writing
+from offload.weights.gguf_header import GgufHeader, StringArray
 from offload.weights.gguf_names import HF_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, check_architecture
 from offload.weights.gguf_tensors import TensorJob, plan_tensors, storage_dtype, write_shards
 
@@ -71,7 +75,7 @@ def _convert(reader: GGUFReader, gguf_path: Path, jobs: list[TensorJob], skipped
     """Writes the converted folder into `out`; a failed write removes it (a full disk gets its space back)."""
     try:
         out.mkdir(parents=True)
-        write_metadata(reader, gguf_path, out, dtype)
+        write_metadata(gguf_path, out, dtype, special_tokens(reader, gguf_path))
         write_shards(gguf_path, jobs, out, dtype, on_progress)
         meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": str(gguf_path),
                 "dtype": str(dtype).removeprefix("torch."), "skipped_tensors": skipped}
@@ -114,18 +118,50 @@ def _field(reader: GGUFReader, key: str, path: Path, default=None):
     return field.contents()
 
 
-def write_metadata(reader: GGUFReader, gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
-    """config.json, generation_config.json and the tokenizer files, from the GGUF metadata."""
+def write_metadata(gguf_path: Path, out: Path, dtype: torch.dtype, specials: dict[str, tuple[int, str]]) -> None:
+    """config.json, generation_config.json and the tokenizer files, from the GGUF metadata; `specials` as
+    special_tokens (or header_special_tokens) reads them."""
     import transformers  # heavy; only needed once per GGUF file
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    with _one_gguf_parse():
+        _write_config_and_tokenizer(transformers, gguf_path, out, dtype, specials)
+
+
+@contextmanager
+def _one_gguf_parse():
+    """transformers parses the whole file for the config and again for the tokenizer (4.4 s each for the
+    default model's 100 MB); inside this block the second asks get the first parse (a deep copy each, so
+    neither sees the other's edits). A transformers without the function simply parses twice."""
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    original = getattr(module, "load_gguf_checkpoint", None)
+    parsed: dict[str, dict] = {}
+
+    def parse_once(path, *args, **kwargs):
+        if args or kwargs.get("return_tensors") or kwargs.get("model_to_load") is not None:
+            return original(path, *args, **kwargs)         # tensors or a model to fill: not shared
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = original(path, **kwargs)
+        return copy.deepcopy(parsed[key])
+
+    if original is not None:
+        module.load_gguf_checkpoint = parse_once
+    try:
+        yield
+    finally:
+        if original is not None:
+            module.load_gguf_checkpoint = original
+
+
+def _write_config_and_tokenizer(transformers, gguf_path: Path, out: Path, dtype: torch.dtype,
+                                specials: dict[str, tuple[int, str]]) -> None:
     kwargs = {"gguf_file": gguf_path.name}
     config = transformers.AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
     if config.model_type not in HF_ARCHITECTURES:
         raise ValueError(f"{gguf_path}: transformers reads it as model type {config.model_type!r}, "
                          f"which is not supported (supported: {', '.join(HF_ARCHITECTURES)})")
     config.architectures = [HF_ARCHITECTURES[config.model_type]]
-    specials = special_tokens(reader, gguf_path)
     for name, (token_id, _) in specials.items():
         if name != "unk":
             setattr(config, f"{name}_token_id", token_id)
@@ -150,3 +186,14 @@ def special_tokens(reader: GGUFReader, gguf_path: Path) -> dict[str, tuple[int, 
     tokens = _field(reader, "tokenizer.ggml.tokens", gguf_path, default=[])
     ids = {name: int(_field(reader, key, gguf_path, default=-1)) for name, key in SPECIAL_TOKEN_IDS.items()}
     return {name: (token_id, tokens[token_id]) for name, token_id in ids.items() if 0 <= token_id < len(tokens)}
+
+
+def header_special_tokens(header: GgufHeader) -> dict[str, tuple[int, str]]:
+    """special_tokens from the runtime's own header parse: the few token strings read where they lie, not
+    the whole file parsed by gguf's reader (seconds on a 100 MB file)."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    count = tokens.count if isinstance(tokens, StringArray) else 0
+    ids = {name: int(header.metadata.get(key, -1)) for name, key in SPECIAL_TOKEN_IDS.items()}
+    wanted = {name: token_id for name, token_id in ids.items() if 0 <= token_id < count}
+    texts = header.strings_at("tokenizer.ggml.tokens", list(wanted.values())) if wanted else {}
+    return {name: (token_id, texts[token_id]) for name, token_id in wanted.items()}

@@ -100,12 +100,12 @@ def gguf_model_folder(gguf_path: str | Path, on_status: Callable[[str], None] | 
     check_model_metadata(header)
     if on_status:
         on_status(f"reading {gguf_path.name}'s config and tokenizer (once) into {folder}")
-    from offload.weights.gguf_import import open_gguf, write_metadata
+    from offload.weights.gguf_import import header_special_tokens, write_metadata
     import torch
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_metadata(open_gguf(gguf_path), gguf_path, tmp, getattr(torch, storage_dtype_name(header)))
+    write_metadata(gguf_path, tmp, getattr(torch, storage_dtype_name(header)), header_special_tokens(header))
     marker = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "source": str(gguf_path.resolve())}
     (tmp / MARKER).write_text(json.dumps(marker, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
