@@ -135,7 +135,7 @@ class Engine:
 # cores against a 17-20 GB/s RAM copy (bench/results/stream_gguf.json), so a packed resident layer saves a
 # few percent of a streamed one's cost and a decoded one saves it all. CUDA: assumed (torch decoding on the
 # GPU outruns a 25 GB/s link several times) until the GPU session measures it; at 0.25 a 70B Q4_K_M keeps
-# 20 layers packed on 24 GiB instead of 7 decoded.
+# 26 layers packed on 24 GiB instead of 7 decoded.
 DECODE_VS_TRANSFER: dict[bool, float | None] = {False: None, True: 0.25}
 
 
@@ -185,22 +185,19 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
     disk = DiskTier(source, layout) if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=_decoder(source, tier_of, dtype, decode_once is not None, plan.request.resident_packed,
-                                           options.decode_ahead),
+                           decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead),
                            decode_ahead=options.decode_ahead)
 
 
-def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool,
-             resident_packed: bool, ahead: bool):
-    """The ring's decode: resident decoded layers as they are; a layer decoded just before its use (resident
-    packed, or streamed) into the one workspace they all share, which stays in cache between layers (the
-    compute releases a layer before the next is decoded; on CUDA both run in order on the compute stream);
-    a streamed layer a decoder thread decodes ahead into its ring slot's own workspace."""
+def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool, ahead: bool):
+    """The ring's decode: resident layers decoded once as they are; a layer decoded just before its use (a
+    resident packed one, always on the compute thread, or a streamed one) into the one workspace they all
+    share, which stays in cache between layers (the compute releases a layer before the next is decoded; on
+    CUDA both run in order on the compute stream); a streamed layer that a decoder thread decodes ahead into
+    its ring slot's own workspace."""
     def decode(index: int, stored: dict) -> dict:
-        if tier_of[index] == "device" and resident_decoded:
-            return stored
-        if tier_of[index] == "device" and resident_packed:
-            return source.decode_layer(index, stored, dtype, shared=True)
+        if tier_of[index] == "device":
+            return stored if resident_decoded else source.decode_layer(index, stored, dtype, shared=True)
         return source.decode_layer(index, stored, dtype, shared=not ahead)
     return decode
 

@@ -68,6 +68,11 @@ def packed_nbytes(qtype: T, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape)) // block_size * block_bytes
 
 
+def _two_halves(blocks: Tensor) -> Tensor:
+    """The fp16 fields at bytes 0 and 2 of every block (d and m, or d and dmin), widened: [n, 2] float32."""
+    return blocks[:, :4].contiguous().view(torch.float16).float()
+
+
 def _half(blocks: Tensor, offset: int) -> Tensor:
     """The fp16 field at byte `offset` of every block, widened to float32."""
     return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()   # [n, 1]
@@ -135,7 +140,7 @@ def _q4_0(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 18] -> out [n
 
 
 def _q4_1(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 20] -> out [n, 32]
-    d, m = blocks[:, :4].contiguous().view(torch.float16).float().unbind(1)     # [n] each
+    d, m = _two_halves(blocks).unbind(1)                                         # [n] each
     torch.mul(_word_nibbles(blocks, 1, 4), d.unsqueeze(1), out=out)
     out.add_(m.unsqueeze(1))
 
@@ -173,7 +178,7 @@ def _scale_min_k4(scales: Tensor) -> Tensor:
 # broadcast over sub-blocks runs slower than the two passes (the 32-blocks' one scale per row is faster fused).
 def _apply_k4_scales(blocks: Tensor, out: Tensor) -> None:
     """out [n, 256] holding quants 0..31 -> (d * sc_j) * q - (dmin * m_j) per sub-block j of 32."""
-    d_dmin = blocks[:, :4].contiguous().view(torch.float16).float().unsqueeze(-1)   # [n, 2, 1]
+    d_dmin = _two_halves(blocks).unsqueeze(-1)                                   # [n, 2, 1]
     scale, shift = (d_dmin * _scale_min_k4(blocks[:, 4:16]).float()).unbind(1)    # [n, 8] each
     out.view(-1, 8, 32).mul_(scale.unsqueeze(-1)).sub_(shift.unsqueeze(-1))
 

@@ -5,8 +5,9 @@ packed buffer (each slot as large as that tensor's largest encoding over all lay
 Q4_K and Q6_K), so the RAM tier holds a layer's blocks as they are in the file and the disk tier reads
 them with one pread per tensor. The ring moves the packed buffer to the compute device, where
 `decode_layer` dequantizes it (gguf_blocks, bit-exact to gguf.quants in float32) just before its use into
-one workspace every such layer reuses (with a decoder thread decoding ahead: one per ring slot). Layers the planner keeps on the device are
-decoded once at load (`dense_layer`), the globals too.
+one workspace every such layer reuses (with a decoder thread decoding ahead: one per ring slot). Layers
+the planner keeps on the device are decoded once at load (`dense_layer`), the globals too, or kept packed
+and decoded at each use into that same workspace.
 
 llama.cpp stores the q/k rows of llama-family heads with the two rotary halves interleaved; the
 loader's order has them one after the other. A matrix's GGUF blocks run along its rows, so the rows are
@@ -58,7 +59,7 @@ class GgufSource:
         self._layout = self._packed_layout()
         with open(self.path, "rb") as handle:   # copy-on-write: tensors are views, the file is never written
             self._map = mmap.mmap(handle.fileno(), header.file_size, access=mmap.ACCESS_COPY)
-        self._workspaces: dict[tuple, dict[str, Tensor]] = {}   # per ring slot, and one for resident packed layers
+        self._workspaces: dict[tuple, dict[str, Tensor]] = {}   # the shared one per device, one per ring slot
 
     def _info(self, gguf_name: str, shape: tuple[int, ...] | None) -> GgufTensorInfo:
         info = self._tensors.get(gguf_name)
