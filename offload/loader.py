@@ -183,7 +183,8 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     if ram_layers:
         ram = RamTier(source, layout, ram_layers, pin=device.type == "cuda",
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
-    disk = DiskTier(source, layout) if "disk" in tier_of else None
+    # a CPU computes while it reads: O_DIRECT spares it the page cache's work (offload/disk_reads.py)
+    disk = DiskTier(source, layout, direct=device.type == "cpu") if "disk" in tier_of else None
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
                            decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead),
                            decode_ahead=options.decode_ahead)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from offload.weights.packing import LayerLayout
-from offload.host_io import allocate_host
+from offload.host_io import allocate_host, copy_host
 from offload.tiers import DiskTier, RamTier
 
 POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
@@ -271,7 +271,7 @@ class StreamingLayers:
         if self.is_cuda:
             self._load_cuda(layer, slot, tier)
         elif tier == "ram":
-            slot.buffer.copy_(self.ram.buffers[layer])
+            copy_host(slot.buffer, self.ram.buffers[layer])
         else:
             self.disk.read_into(layer, slot.buffer)
         slot.load_seconds = time.perf_counter() - start

@@ -1,12 +1,10 @@
 """Host-side tiers: packed layer buffers in RAM (pinned when CUDA is present) and layer reads from disk."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
+from offload.disk_reads import BufferedReader, DirectReader, FileRun, as_bytes, plan_runs
 from offload.host_io import allocate_host, drop_page_cache
 from offload.weights.packing import LayerLayout
 from offload.weights.source import WeightSource
@@ -35,35 +33,37 @@ class RamTier:
 class DiskTier:
     """Reads a layer straight from the checkpoint files into a packed buffer.
 
-    Tensors already in the compute dtype are read with pread into their place in the buffer;
-    others go through the memory map and are cast on the way."""
+    Tensors already in the buffer's dtype are read in file runs (offload/disk_reads.py): with O_DIRECT
+    when `direct` and the file system allows it (a CPU computing while it reads), else one buffered
+    preadv per run; others go through the memory map and are cast on the way."""
 
-    def __init__(self, source: WeightSource, layout: LayerLayout) -> None:
+    def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False) -> None:
         self.source, self.layout = source, layout
-        self._fds: dict[Path, int] = {}
+        self.is_direct = direct and all(DirectReader.supported(path) for path in source.file_paths())
+        self.reader = DirectReader() if self.is_direct else BufferedReader()
+        self._runs: dict[int, tuple[list[FileRun], list[str]]] = {}
 
     def read_into(self, index: int, buffer: Tensor) -> None:
         views = self.layout.views(buffer)
-        mapped = None
-        for name, (path, entry) in self.source.layer_entries(index).items():
-            target = views[name]
-            if entry.dtype == target.dtype and buffer.device.type == "cpu":
-                self._pread(path, entry.start, entry.num_bytes, target)
-            else:
-                mapped = mapped or self.source.layer(index)
-                target.copy_(mapped[name])
+        runs, cast = self._layer_runs(index, views, buffer.device)
+        targets = {piece.name: as_bytes(views[piece.name].view(-1).view(torch.uint8).numpy())
+                   for run in runs for piece in run.pieces}
+        for run in runs:
+            self.reader.read(run, targets)
+        if cast:
+            mapped = self.source.layer(index)
+            for name in cast:
+                views[name].copy_(mapped[name])
 
-    def _pread(self, path: Path, start: int, num_bytes: int, target: Tensor) -> None:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        view = memoryview(target.view(torch.uint8).view(-1).numpy())
-        done = 0
-        while done < num_bytes:
-            count = os.preadv(fd, [view[done:num_bytes]], start + done)
-            if count <= 0:
-                raise OSError(f"{path}: read returned {count} bytes at offset {start + done} (file truncated?)")
-            done += count
+    def _layer_runs(self, index: int, views: dict[str, Tensor], device: torch.device
+                    ) -> tuple[list[FileRun], list[str]]:
+        """The layer's file runs (tensors read as stored) and the names cast through the memory map."""
+        if index not in self._runs:
+            entries = self.source.layer_entries(index)
+            stored = {name: (path, entry.start, entry.num_bytes) for name, (path, entry) in entries.items()
+                      if entry.dtype == views[name].dtype and device.type == "cpu"}
+            self._runs[index] = plan_runs(stored), [name for name in entries if name not in stored]
+        return self._runs[index]
 
     def drop_page_cache(self) -> None:
         """Evicts the checkpoint files from the OS page cache, so the next reads hit the disk."""
@@ -71,6 +71,4 @@ class DiskTier:
             drop_page_cache(path)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.reader.close()

@@ -96,17 +96,17 @@ def _loader_threads():
 def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch):
     import errno
 
-    import offload.tiers
+    import offload.disk_reads
     engine, _ = _engine(folder, "disk", ring_size=1)
-    real_preadv, calls = offload.tiers.os.preadv, {"n": 0}
+    real_preadv, calls = offload.disk_reads.os.preadv, {"n": 0}
 
-    def failing_preadv(*args):   # the disk goes bad a few reads into the pass
+    def failing_preadv(*args):   # the disk goes bad a few reads into the pass (one read per layer)
         calls["n"] += 1
-        if calls["n"] > 20:
+        if calls["n"] > 2:
             raise OSError(errno.EIO, "Input/output error")
         return real_preadv(*args)
 
-    monkeypatch.setattr(offload.tiers.os, "preadv", failing_preadv)
+    monkeypatch.setattr(offload.disk_reads.os, "preadv", failing_preadv)
     start = time.time()
     with pytest.raises(StreamError, match=r"decoder layer \d+ from disk"):
         engine.model.forward(torch.tensor([[1, 2]]), engine.model.new_cache(64))
