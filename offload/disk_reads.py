@@ -9,7 +9,7 @@ tensors of one file, small gaps read and thrown away), and each run is read by o
 - direct (O_DIRECT): the run read in aligned chunks into a bounce buffer by DMA, bypassing the page
   cache, then copied into place. It costs one copy, but no page-cache work: on a CPU that computes
   while it reads (two cores: the copy engine is a core), the kernel's page-cache bookkeeping of a
-  cold read took that core from the compute (see docs/performance.md, "Disk reads").
+  cold read took that core from the compute (docs/streaming.md, "Disk reads").
 """
 from __future__ import annotations
 
@@ -80,6 +80,13 @@ def _remaining(views: list[memoryview], done: int) -> list[memoryview]:
     return []
 
 
+def aligned_buffer(num_bytes: int) -> np.ndarray:
+    """uint8 [num_bytes] starting at a DIRECT_ALIGN boundary (O_DIRECT reads land in it)."""
+    raw = np.empty(num_bytes + DIRECT_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[skip:skip + num_bytes]
+
+
 class BufferedReader:
     """Each run in one preadv (through the page cache), scattered into the targets."""
 
@@ -111,9 +118,7 @@ class DirectReader:
     `open()` returns None where the file system refuses O_DIRECT (tmpfs, some network mounts)."""
 
     def __init__(self, bounce_bytes: int = BOUNCE_BYTES) -> None:
-        raw = np.empty(bounce_bytes + DIRECT_ALIGN, dtype=np.uint8)
-        skip = -raw.ctypes.data % DIRECT_ALIGN
-        self._bounce = raw[skip:skip + bounce_bytes]
+        self._bounce = aligned_buffer(bounce_bytes)
         self._fds: dict[Path, int] = {}
 
     @staticmethod

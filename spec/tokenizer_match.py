@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from offload.weights.tokenizer import SPECIAL_TOKEN_KEYS
+from offload.weights.tokenizer import SPECIAL_TOKEN_KEYS, file_digest
 
 
 class TokenizerMismatchError(ValueError):
@@ -34,7 +34,7 @@ def _same_files(first: Path, second: Path) -> bool:
     """Both folders' tokenizer files exist and are byte for byte the same (the facts then agree)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         a, b = first / name, second / name
-        if not (a.is_file() and b.is_file()) or a.read_bytes() != b.read_bytes():
+        if not (a.is_file() and b.is_file()) or file_digest(a) != file_digest(b):
             return False
     return True
 

@@ -88,3 +88,12 @@ def test_the_disk_tier_reads_layers_equal_to_the_memory_map(tmp_path, direct, dt
         for name, tensor in source.layer(index).items():
             assert torch.equal(views[name], tensor.to(dtype)), (index, name)
     tier.close()
+
+
+@pytest.mark.parametrize("start,length", [(0, 50_000), (3, 4093), (4096, 8192), (45_000, 10_000), (5, 1)])
+def test_a_cold_read_counts_exactly_the_range_bytes(tmp_path, start, length):
+    from offload.bandwidth import read_range_cold
+    from offload.disk_reads import aligned_buffer
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(50_000))
+    assert read_range_cold(path, start, length, aligned_buffer(8192)) == min(length, 50_000 - start)

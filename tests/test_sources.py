@@ -43,3 +43,21 @@ def test_missing_paths_are_named(spec, fragment):
 def test_folder_without_config_is_refused(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_a_file_digest_is_read_once_and_follows_a_rewrite(tmp_path, monkeypatch):
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from offload.weights.tokenizer import file_digest
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"a": 1}')
+    reads = []
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real_read(self))
+    assert file_digest(path) == hashlib.sha256(b'{"a": 1}').digest()
+    assert file_digest(path) == file_digest(path) and len(reads) == 1
+    path.write_text('{"a": 22}')
+    os.utime(path, ns=(1, 1))       # a rewrite shows in the size, and in the time where the size stays
+    assert file_digest(path) == hashlib.sha256(b'{"a": 22}').digest() and len(reads) == 2
