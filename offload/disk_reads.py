@@ -6,10 +6,12 @@ a disk round trip once the page cache is cold. Here the tensors are grouped into
 tensors of one file, small gaps read and thrown away), and each run is read by one of two readers:
 
 - buffered: one `preadv` per run, scattered straight into the tensors' places in the target buffer;
-- direct (O_DIRECT): the run read in aligned chunks into a bounce buffer by DMA, bypassing the page
-  cache, then copied into place. It costs one copy, but no page-cache work: on a CPU that computes
-  while it reads (two cores: the copy engine is a core), the kernel's page-cache bookkeeping of a
-  cold read took that core from the compute (docs/streaming.md, "Disk reads").
+- direct (O_DIRECT): the run read by DMA, bypassing the page cache, either in aligned chunks into a
+  bounce buffer and copied into place (`read`), or whole, straight into a span buffer where the layer's
+  runs lie end to end, each extended to whole aligned blocks (`read_span`: no copy at all; the ring then
+  uses views into it). No page-cache work: on a CPU that computes while it reads (two cores), the kernel's
+  page-cache bookkeeping of a cold read took a core from the compute, and a buffered read of a large run
+  crawls through the kernel's readahead (docs/streaming.md, "Disk reads").
 """
 from __future__ import annotations
 
@@ -40,6 +42,29 @@ class FileRun:
     start: int
     end: int
     pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SpanPlan:
+    """A layer's runs laid end to end in a span buffer, each from its first aligned block to its last:
+    `places` holds each tensor's byte offset in that buffer; the buffer needs `num_bytes`."""
+    runs: tuple[FileRun, ...]
+    places: dict[str, int]
+    num_bytes: int
+
+
+def span_plan(runs: list[FileRun]) -> SpanPlan:
+    places, position = {}, 0
+    for run in runs:
+        first = run.start - run.start % DIRECT_ALIGN
+        for piece in run.pieces:
+            places[piece.name] = position + piece.start - first
+        position += _aligned_up(run.end) - first
+    return SpanPlan(tuple(runs), places, position)
+
+
+def _aligned_up(offset: int) -> int:
+    return -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
 def plan_runs(spans: dict[str, tuple[Path, int, int]], max_gap: int = MAX_GAP_BYTES) -> list[FileRun]:
@@ -134,16 +159,31 @@ class DirectReader:
         return True
 
     def read(self, run: FileRun, targets: dict[str, np.ndarray]) -> None:
-        fd = self._fds.get(run.path) or self._fds.setdefault(run.path, os.open(run.path, os.O_RDONLY | os.O_DIRECT))
+        fd = self._open(run.path)
         chunk_start = run.start - run.start % DIRECT_ALIGN
         while chunk_start < run.end:
-            wanted = min(len(self._bounce), -(-(run.end - chunk_start) // DIRECT_ALIGN) * DIRECT_ALIGN)
+            wanted = min(len(self._bounce), _aligned_up(run.end - chunk_start))
             count = read_full(fd, [memoryview(self._bounce[:wanted])], chunk_start, run.path)
             chunk_end = chunk_start + count
             if chunk_end < min(run.end, chunk_start + wanted):
                 raise OSError(f"{run.path}: read ended at offset {chunk_end} of {run.end} (file truncated?)")
             self._scatter(run, targets, chunk_start, chunk_end)
             chunk_start += wanted
+
+    def read_span(self, plan: SpanPlan, buffer: np.ndarray) -> None:
+        """Every run of `plan` by O_DIRECT straight into its place in `buffer` (aligned, >= plan.num_bytes)."""
+        position = 0
+        for run in plan.runs:
+            fd = self._open(run.path)
+            first = run.start - run.start % DIRECT_ALIGN
+            extent = _aligned_up(run.end) - first
+            count = read_full(fd, [memoryview(buffer[position:position + extent])], first, run.path)
+            if count < run.end - first:
+                raise OSError(f"{run.path}: read ended at offset {first + count} of {run.end} (file truncated?)")
+            position += extent
+
+    def _open(self, path: Path) -> int:
+        return self._fds.get(path) or self._fds.setdefault(path, os.open(path, os.O_RDONLY | os.O_DIRECT))
 
     def _scatter(self, run: FileRun, targets: dict[str, np.ndarray], chunk_start: int, chunk_end: int) -> None:
         for piece in run.pieces:

@@ -19,6 +19,14 @@ def allocate_host(num_bytes: int, pin: bool) -> Tensor:
     return torch.empty(num_bytes, dtype=torch.uint8)
 
 
+def aligned_host(num_bytes: int, pin: bool, align: int) -> Tensor:
+    """[num_bytes] uint8 host memory starting at an `align` boundary (O_DIRECT reads land in it); pinned when
+    asked and possible."""
+    raw = allocate_host(num_bytes + align, pin)
+    skip = -raw.data_ptr() % align
+    return raw[skip:skip + num_bytes]
+
+
 def copy_host(target: Tensor, source: Tensor) -> None:
     """Copies host bytes on the calling thread alone (numpy; the GIL is released). A torch copy made from a
     loader thread starts an OpenMP team of its own, whose threads then spin on the cores the compute

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from offload.weights.packing import LayerLayout
-from offload.host_io import allocate_host, copy_host
+from offload.disk_reads import DIRECT_ALIGN
+from offload.host_io import aligned_host, copy_host
 from offload.tiers import DiskTier, RamTier
 
 POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
@@ -67,8 +68,9 @@ class PassStats:
 
 @dataclass(slots=True)
 class _Slot:
-    buffer: Tensor                       # [layout bytes] uint8 on the device
-    staging: Tensor | None               # pinned host buffer for disk reads when the device is a GPU
+    buffer: Tensor                       # [layout bytes] uint8 on the device (a CPU's: aligned, >= span bytes)
+    staging: Tensor | None               # pinned aligned host buffer for disk reads when the device is a GPU
+    views: dict | None = None            # the layer's tensors when not at the layout's places (a span read)
     layer: int = -1
     state: str = "free"                  # free -> loading -> ready -> in_use -> free
     load_seconds: float = 0.0            # host-side load time (disk read, CPU copy)
@@ -105,6 +107,9 @@ class StreamingLayers:
         self.decode_ahead = decode_ahead
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
+        # a disk layer read whole by O_DIRECT into a host buffer, used in place (CPU) or copied per tensor
+        self._span_bytes = disk.span_bytes([i for i in self.streamed if tier_of[i] == "disk"]) if disk else 0
+        self._offsets = {slot.name: slot.offset for slot in layout.slots}
         self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -118,8 +123,12 @@ class StreamingLayers:
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
 
     def _new_slot(self) -> _Slot:
-        buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
-        staging = allocate_host(self.layout.num_bytes, pin=True) if self.is_cuda and self.disk else None
+        host_bytes = max(self.layout.num_bytes, self._span_bytes)
+        if self.is_cuda:
+            buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
+            staging = aligned_host(host_bytes, True, DIRECT_ALIGN) if self.disk else None
+        else:
+            buffer, staging = aligned_host(host_bytes, False, DIRECT_ALIGN), None
         slot = _Slot(buffer, staging)
         if self.is_cuda:
             slot.copy_started = torch.cuda.Event(enable_timing=True)
@@ -161,7 +170,7 @@ class StreamingLayers:
         stats.bytes_by_tier[self.tier_of[index]] += self.layout.num_bytes
         if slot.decoded is not None:
             return slot.decoded
-        return self.decode(index, self.layout.views(slot.buffer))
+        return self.decode(index, self._stored(slot))
 
     def release(self, index: int) -> None:
         if self.tier_of[index] == "device":
@@ -268,17 +277,23 @@ class StreamingLayers:
     def _load(self, layer: int, slot: _Slot) -> None:
         start = time.perf_counter()
         tier = self.tier_of[layer]
+        slot.views = None
         if self.is_cuda:
             self._load_cuda(layer, slot, tier)
         elif tier == "ram":
-            copy_host(slot.buffer, self.ram.buffers[layer])
+            copy_host(slot.buffer[:self.layout.num_bytes], self.ram.buffers[layer])
+        elif self.disk.span_plan(layer) is not None:
+            slot.views = self.disk.typed_views(self.disk.read_span(layer, slot.buffer))
         else:
             self.disk.read_into(layer, slot.buffer)
         slot.load_seconds = time.perf_counter() - start
 
+    def _stored(self, slot: _Slot) -> dict[str, Tensor]:
+        return slot.views if slot.views is not None else self.layout.views(slot.buffer)
+
     def _decode_ahead(self, layer: int, slot: _Slot) -> None:
         start = time.perf_counter()
-        decoded = self.decode(layer, self.layout.views(slot.buffer))
+        decoded = self.decode(layer, self._stored(slot))
         for value in decoded.values():
             if hasattr(value, "prepare"):
                 value.prepare()
@@ -287,16 +302,23 @@ class StreamingLayers:
     def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
         # Copies are queued asynchronously on the copy stream, so the next disk read (or the next
         # queued copy) overlaps this one; the slot's `copied` event tells compute when it landed.
+        pieces = None               # a span read: each tensor's bytes, copied to its place in the slot
         if tier == "ram":
             host = self.ram.buffers[layer]
         else:
             slot.copied.synchronize()   # the staging buffer's previous copy must be finished
-            self.disk.read_into(layer, slot.staging)
-            host = slot.staging
+            if self.disk.span_plan(layer) is not None:
+                pieces = self.disk.read_span(layer, slot.staging)
+            else:
+                self.disk.read_into(layer, slot.staging)
+            host = slot.staging[:self.layout.num_bytes]
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot.released)
             slot.copy_started.record(self.copy_stream)
-            slot.buffer.copy_(host, non_blocking=True)
+            if pieces is None:
+                slot.buffer.copy_(host, non_blocking=True)
+            for name, data in (pieces or {}).items():
+                slot.buffer[self._offsets[name]:self._offsets[name] + data.numel()].copy_(data, non_blocking=True)
             slot.copied.record(self.copy_stream)
 
     def _raise_if_failed(self, index: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offload.disk_reads import BufferedReader, DirectReader, FileRun, as_bytes, plan_runs
+from offload.disk_reads import BufferedReader, DirectReader, FileRun, SpanPlan, as_bytes, plan_runs, span_plan
 from offload.host_io import allocate_host, drop_page_cache
 from offload.weights.packing import LayerLayout
 from offload.weights.source import WeightSource
@@ -31,21 +31,24 @@ class RamTier:
 
 
 class DiskTier:
-    """Reads a layer straight from the checkpoint files into a packed buffer.
+    """Reads a layer straight from the checkpoint files.
 
     Tensors already in the buffer's dtype are read in file runs (offload/disk_reads.py): with O_DIRECT
-    when `direct` and the file system allows it (a CPU computing while it reads), else one buffered
-    preadv per run; others go through the memory map and are cast on the way."""
+    when `direct` and the file system allows it, else one buffered preadv per run; others go through the
+    memory map and are cast on the way. `read_into` lands them at the layout's places in a slot's buffer;
+    `read_span` (direct only) reads the runs whole into a host buffer and hands back views into it."""
 
-    def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False) -> None:
-        self.source, self.layout = source, layout
+    def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False, span_align: int = 16) -> None:
+        self.source, self.layout, self.span_align = source, layout, span_align
         self.is_direct = direct and all(DirectReader.supported(path) for path in source.file_paths())
         self.reader = DirectReader() if self.is_direct else BufferedReader()
         self._runs: dict[int, tuple[list[FileRun], list[str]]] = {}
+        self._spans: dict[int, SpanPlan | None] = {}
+        self._slots = {slot.name: slot for slot in layout.slots}
 
     def read_into(self, index: int, buffer: Tensor) -> None:
         views = self.layout.views(buffer)
-        runs, cast = self._layer_runs(index, views, buffer.device)
+        runs, cast = self._layer_runs(index)
         targets = {piece.name: as_bytes(views[piece.name].view(-1).view(torch.uint8).numpy())
                    for run in runs for piece in run.pieces}
         for run in runs:
@@ -55,13 +58,45 @@ class DiskTier:
             for name in cast:
                 views[name].copy_(mapped[name])
 
-    def _layer_runs(self, index: int, views: dict[str, Tensor], device: torch.device
-                    ) -> tuple[list[FileRun], list[str]]:
-        """The layer's file runs (tensors read as stored) and the names cast through the memory map."""
+    def span_bytes(self, layers: list[int]) -> int:
+        """The host buffer `read_span` needs for any of `layers` (0: none of them can be read so)."""
+        return max((plan.num_bytes for plan in map(self.span_plan, layers) if plan is not None), default=0)
+
+    def span_plan(self, index: int) -> SpanPlan | None:
+        """The layer's runs end to end; None unless direct, with no cast, every tensor `span_align`-aligned in
+        its file (its place in the span keeps that alignment: the span starts on an aligned block). A CPU
+        computes on the views in place (16); a GPU ring copies each tensor's bytes to its slot (1)."""
+        if index not in self._spans:
+            runs, cast = self._layer_runs(index)
+            aligned = all(piece.start % self.span_align == 0 for run in runs for piece in run.pieces)
+            self._spans[index] = span_plan(runs) if self.is_direct and not cast and aligned else None
+        return self._spans[index]
+
+    def read_span(self, index: int, buffer: Tensor) -> dict[str, Tensor]:
+        """The layer read with no copy into `buffer` (host, aligned to DIRECT_ALIGN, >= span_bytes) ->
+        name: uint8 [the tensor's stored bytes], a view into `buffer`."""
+        plan = self.span_plan(index)
+        self.reader.read_span(plan, buffer.numpy())
+        return {piece.name: buffer[plan.places[piece.name]:plan.places[piece.name] + piece.num_bytes]
+                for run in plan.runs for piece in run.pieces}
+
+    def typed_views(self, stored: dict[str, Tensor]) -> dict[str, Tensor]:
+        """read_span's byte views as the layout's slots: dtype and shape where the bytes fill the slot; a
+        packed slot larger than its tensor (sized for the largest over the layers) gets the bytes as they
+        are, the prefix its format's decoder reads."""
+        views = {}
+        for name, data in stored.items():
+            slot = self._slots[name]
+            views[name] = data.view(slot.dtype).view(slot.shape) if data.numel() == slot.num_bytes else data
+        return views
+
+    def _layer_runs(self, index: int) -> tuple[list[FileRun], list[str]]:
+        """The layer's file runs (tensors stored in their slot's dtype, read as they are) and the names
+        cast through the memory map."""
         if index not in self._runs:
             entries = self.source.layer_entries(index)
             stored = {name: (path, entry.start, entry.num_bytes) for name, (path, entry) in entries.items()
-                      if entry.dtype == views[name].dtype and device.type == "cpu"}
+                      if entry.dtype == self._slots[name].dtype}
             self._runs[index] = plan_runs(stored), [name for name in entries if name not in stored]
         return self._runs[index]
 

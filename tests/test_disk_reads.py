@@ -10,6 +10,8 @@ import torch
 
 import offload.disk_reads
 from offload.disk_reads import BufferedReader, DirectReader, FileRun, Piece, plan_runs
+from offload.disk_reads import DIRECT_ALIGN
+from offload.host_io import aligned_host
 from offload.tiers import DiskTier
 from offload.weights.source import CheckpointSource
 
@@ -87,7 +89,29 @@ def test_the_disk_tier_reads_layers_equal_to_the_memory_map(tmp_path, direct, dt
         views = layout.views(buffer)
         for name, tensor in source.layer(index).items():
             assert torch.equal(views[name], tensor.to(dtype)), (index, name)
+        entries = source.layer_entries(index).values()
+        plan = tier.span_plan(index)    # a whole-layer read: direct, no cast, every tensor 16-byte aligned
+        assert (plan is not None) == (tier.is_direct and dtype == torch.float32
+                                      and all(entry.start % 16 == 0 for _, entry in entries))
+        if plan is not None:
+            span = aligned_host(tier.span_bytes([index]), False, DIRECT_ALIGN)
+            got = tier.typed_views(tier.read_span(index, span))
+            for name, tensor in source.layer(index).items():
+                assert got[name].dtype == dtype and torch.equal(got[name], tensor), (index, name)
     tier.close()
+
+
+def test_an_unaligned_tensor_is_read_into_the_layout_not_used_in_place(tmp_path):
+    from conftest import make_tiny_checkpoint
+    from offload.weights.safetensors_io import write_safetensors
+    folder = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=1)[0]
+    tensors = {"a_odd": torch.zeros(3, dtype=torch.uint8), **_all_tensors(folder)}   # written first: the rest odd
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    write_safetensors(folder / "model.safetensors", tensors)
+    source = CheckpointSource(folder)
+    tier = DiskTier(source, source.layout(torch.float32), direct=True)
+    assert tier.span_plan(0) is None and tier.span_bytes([0]) == 0
 
 
 @pytest.mark.parametrize("start,length", [(0, 50_000), (3, 4093), (4096, 8192), (45_000, 10_000), (5, 1)])
@@ -97,3 +121,12 @@ def test_a_cold_read_counts_exactly_the_range_bytes(tmp_path, start, length):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(50_000))
     assert read_range_cold(path, start, length, aligned_buffer(8192)) == min(length, 50_000 - start)
+
+
+
+def _all_tensors(folder):
+    from safetensors.torch import load_file
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        tensors.update(load_file(str(path)))
+    return tensors

@@ -27,6 +27,9 @@ from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.weights.gguf_source import GgufSource
 from offload.weights.resolve import resolve_model
 from offload.weights.safetensors_io import write_safetensors
+from offload.disk_reads import DIRECT_ALIGN, DirectReader
+from offload.host_io import aligned_host
+from offload.tiers import DiskTier
 from offload.weights.source import CheckpointSource, HF_GLOBAL_NAMES, HF_LAYER_NAMES
 from spec import DecodeConfig, Decoder, SamplingConfig
 from test_gguf_import import _tokenizer, reference_tensors, write_metadata
@@ -153,6 +156,32 @@ def test_tiny_gguf_decodes_to_the_gguf_reference(tiny, monkeypatch):
             assert torch.equal(tensor, expected[_hf_name(name, index)]), (index, name)
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_disk_layer_read_whole_gives_the_files_bytes_in_the_layouts_types(tiny, tmp_path, monkeypatch, direct):
+    """read_span (O_DIRECT straight into a host buffer) hands back every tensor's stored bytes; without
+    O_DIRECT there is no span read, and read_into lands the same bytes at the layout's places."""
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tiny.parent / "cache"))
+    folder = resolve_model(str(tiny))
+    source = open_source(folder, ModelConfig.from_file(folder))
+    layout = source.layout(torch.float32)
+    tier = DiskTier(source, layout, direct=direct)
+    if direct and not tier.is_direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    span = aligned_host(max(layout.num_bytes, tier.span_bytes(list(range(LAYERS)))), False, DIRECT_ALIGN)
+    for index in range(LAYERS):
+        expected = {name: raw.clone() for name, raw in source.layer(index).items()}
+        if direct:
+            got = tier.typed_views(tier.read_span(index, span))
+        else:
+            assert tier.span_plan(index) is None and tier.span_bytes([index]) == 0
+            tier.read_into(index, span)
+            got = {name: view[:expected[name].numel()] for name, view in layout.views(span).items()}
+        assert set(got) == set(expected)
+        for name, raw in expected.items():
+            assert torch.equal(got[name][:raw.numel()], raw), (index, name)
+    tier.close()
+
+
 def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tiny.parent / "cache"))
     folder = resolve_model(str(tiny))
@@ -172,6 +201,8 @@ def test_tiny_gguf_streamed_through_ram_and_disk_matches_the_dense_reference(tin
         assert torch.isfinite(expected).all() and torch.equal(got, expected)
     assert streamed.layers.total.bytes_by_tier["disk"] == 4 * layer_bytes
     assert [key[0] for key in streamed.source._workspaces] == ["shared"]
+    # on a file system with O_DIRECT, the disk layers were read whole into the ring's buffers and used there
+    assert (streamed.layers.disk.span_plan(1) is not None) == DirectReader.supported(tiny)
     streamed.layers.close()
     ahead_options = replace(options, decode_ahead=True)
     ahead = load_model(replace(ahead_options, gpu_mem=streaming_device_budget(ahead_options)))
@@ -208,6 +239,8 @@ def test_every_tier_decodes_gguf_layers_through_one_workspace(device, tmp_path, 
     for _ in range(3):
         assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
     assert [key[0] for key in streamed.source._workspaces] == ["shared"]
+    # disk layers read whole by O_DIRECT where the file system allows it (on CUDA: copied tensor by tensor)
+    assert (streamed.layers.disk.span_plan(4) is not None) == streamed.layers.disk.is_direct
     streamed.layers.close()
 
 

@@ -135,7 +135,8 @@ class GgufSource:
         next such decode); else into the workspace of the ring slot holding `stored` (valid until the slot
         holds its next layer, which the ring never loads before this one is released)."""
         first = next(iter(stored.values()))
-        key = ("shared", first.device, dtype) if shared else (first.data_ptr(), dtype)
+        # a ring slot's workspace is keyed by the slot's buffer (its storage), wherever in it the layer lies
+        key = ("shared", first.device, dtype) if shared else (first.untyped_storage().data_ptr(), dtype)
         workspace = self._workspaces.get(key)
         if workspace is None:
             workspace = self._workspaces[key] = self._empty_layer(first.device, dtype)
