@@ -22,12 +22,13 @@ from offload.bandwidth import cold_read_gbps, copy_gbps
 
 
 def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_tokens: list[int], device: str = "auto",
-                     dtype: str = "auto", repeats: int = 3, on_status=None) -> dict:
+                     dtype: str = "auto", repeats: int = 3, on_status=None, direct_reads: bool = True) -> dict:
     if tier not in ("ram", "disk"):
         raise ValueError(f"tier must be ram or disk, got {tier!r}")
     max_tokens = max(pass_tokens)
     options = LoadOptions(target, device, dtype, gpu_mem=gpu_mem, ram=1 if tier == "disk" else None,
-                          max_context=max_tokens + 1, max_pass_tokens=max_tokens, disk_cold=tier == "disk")
+                          max_context=max_tokens + 1, max_pass_tokens=max_tokens, disk_cold=tier == "disk",
+                          direct_reads=direct_reads)
     if gpu_mem is None:   # the least that runs: every layer streams
         options.gpu_mem = gpu_mem = streaming_device_budget(options)
     loaded = load_model(options, on_status)
@@ -41,6 +42,7 @@ def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_to
     finally:
         loaded.layers.close()
     result = {"bench": "stream", "tier": tier, "device": str(loaded.model.device),
+              "disk_reads": ("direct" if loaded.layers.disk.is_direct else "buffered") if loaded.layers.disk else None,
               "dtype": str(loaded.model.dtype).removeprefix("torch."),
               "layers": {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")},
               "layer_bytes": loaded.layers.layout.num_bytes, "passes": rows}
@@ -100,6 +102,7 @@ def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: lis
     return {"tokens": num_tokens, "pass_seconds": round(seconds, 5), "bytes_streamed": stats.bytes_streamed,
             "wait_seconds": round(stats.wait_seconds, 5), "raw_gbps": round(raw_gbps, 3),
             "achieved_gbps": round(stats.bytes_streamed / seconds / 1e9, 3),
+            "loader_gbps": round(stats.link_gbps, 3),    # the loader's own rate: bytes over its read/copy time
             "efficiency": round(ideal / seconds, 4), "decode_seconds": round(decode_seconds, 5),
             "decode_share": round(decode_seconds / seconds, 4)}
 

@@ -37,6 +37,9 @@ def add_parsers(commands) -> None:
                         help="--synthetic-gguf: decoder-layer GB to aim at (default: 2.5)")
     stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
     stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
+    stream.add_argument("--disk-reads", default="direct", choices=["direct", "buffered"],
+                        help="disk tier reads: O_DIRECT where the file system allows it, or through the page "
+                             "cache (default: direct)")
     add_device(stream)
     add_dtype(stream)
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
@@ -237,7 +240,8 @@ def cmd_bench(args, console) -> int:
             path, synthetic = synthetic_target(args.synthetic_gguf, args.scale, args.size_gb, on_status)
             target = str(path)
         result = run_stream_bench(target, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tier, sizes,
-                                  args.device, args.dtype, args.repeats, on_status=on_status)
+                                  args.device, args.dtype, args.repeats, on_status=on_status,
+                                  direct_reads=args.disk_reads == "direct")
         if synthetic:
             result["synthetic_gguf"] = synthetic
     if not args.json:

@@ -46,6 +46,7 @@ class LoadOptions:
     decode_ahead: bool = False
     formats: tuple[WeightFormat, ...] = ()   # packed formats beyond plain checkpoints (runtime.weight_formats)
     gguf_import: bool = False       # a GGUF is dequantized once to a safetensors folder rather than run in place
+    direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)
@@ -187,7 +188,7 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     # (its tensors 16-byte aligned) or copied tensor by tensor from pinned memory to a GPU's ring slot
     disk = None
     if "disk" in tier_of:
-        disk = DiskTier(source, layout, direct=True, span_align=16 if device.type == "cpu" else 1)
+        disk = DiskTier(source, layout, direct=options.direct_reads, span_align=16 if device.type == "cpu" else 1)
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
                            decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead),
                            decode_ahead=options.decode_ahead)
