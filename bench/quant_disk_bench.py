@@ -27,7 +27,7 @@ from runtime.models import load_model, weight_formats
 from offload.weights.gguf_import import cache_root
 from offload.weights.resolve import resolve_model
 from offload.loader import streaming_device_budget
-from offload.stream import PassStats
+from offload.pass_stats import PassStats
 from spec import DecodeConfig, Decoder, SamplingConfig
 from bench.quant_bench import SpqrRow, dequantize_seconds
 from bench.start_bench import run_start_bench

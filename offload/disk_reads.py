@@ -143,7 +143,7 @@ class DirectReader:
     `open()` returns None where the file system refuses O_DIRECT (tmpfs, some network mounts)."""
 
     def __init__(self, bounce_bytes: int = BOUNCE_BYTES) -> None:
-        self._bounce = aligned_buffer(bounce_bytes)
+        self._bounce_bytes, self._bounce_buffer = bounce_bytes, None
         self._fds: dict[Path, int] = {}
 
     @staticmethod
@@ -169,6 +169,13 @@ class DirectReader:
                 raise OSError(f"{run.path}: read ended at offset {chunk_end} of {run.end} (file truncated?)")
             self._scatter(run, targets, chunk_start, chunk_end)
             chunk_start += wanted
+
+    @property
+    def _bounce(self) -> np.ndarray:
+        """Allocated at the first chunked read (a ring whose layers all read whole never needs it)."""
+        if self._bounce_buffer is None:
+            self._bounce_buffer = aligned_buffer(self._bounce_bytes)
+        return self._bounce_buffer
 
     def read_span(self, plan: SpanPlan, buffer: np.ndarray) -> None:
         """Every run of `plan` by O_DIRECT straight into its place in `buffer` (aligned, >= plan.num_bytes)."""

@@ -12,7 +12,7 @@ import atexit
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from torch import Tensor
 from offload.weights.packing import LayerLayout
 from offload.disk_reads import DIRECT_ALIGN
 from offload.host_io import aligned_host, copy_host
+from offload.pass_stats import PassStats
 from offload.tiers import DiskTier, RamTier
 
 POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
@@ -38,32 +39,6 @@ def _close_running_rings() -> None:
 
 class StreamError(RuntimeError):
     """Loading a layer failed; the message names the layer and the tier."""
-
-
-@dataclass(slots=True)
-class PassStats:
-    num_tokens: int = 0
-    seconds: float = 0.0
-    wait_seconds: float = 0.0        # compute thread blocked on a layer not yet loaded
-    transfer_seconds: float = 0.0    # loader time spent moving the bytes consumed in this pass
-    decode_seconds: float = 0.0      # decoder-thread time spent decoding them (decode_ahead)
-    bytes_by_tier: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
-
-    @property
-    def bytes_streamed(self) -> int:
-        return sum(self.bytes_by_tier.values())
-
-    @property
-    def link_gbps(self) -> float:
-        return self.bytes_streamed / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
-
-    def as_dict(self) -> dict:
-        return {"num_tokens": self.num_tokens, "seconds": round(self.seconds, 5),
-                "wait_seconds": round(self.wait_seconds, 5),
-                "compute_seconds": round(self.seconds - self.wait_seconds, 5),
-                "decode_seconds": round(self.decode_seconds, 5),
-                "bytes_ram": self.bytes_by_tier["ram"], "bytes_disk": self.bytes_by_tier["disk"],
-                "link_gbps": round(self.link_gbps, 3)}
 
 
 @dataclass(slots=True)
@@ -302,7 +277,7 @@ class StreamingLayers:
     def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
         # Copies are queued asynchronously on the copy stream, so the next disk read (or the next
         # queued copy) overlaps this one; the slot's `copied` event tells compute when it landed.
-        pieces = None               # a span read: each tensor's bytes, copied to its place in the slot
+        host, pieces = None, None   # a span read: each tensor's bytes, copied to its place in the slot
         if tier == "ram":
             host = self.ram.buffers[layer]
         else:
@@ -311,7 +286,7 @@ class StreamingLayers:
                 pieces = self.disk.read_span(layer, slot.staging)
             else:
                 self.disk.read_into(layer, slot.staging)
-            host = slot.staging[:self.layout.num_bytes]
+                host = slot.staging[:self.layout.num_bytes]
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot.released)
             slot.copy_started.record(self.copy_stream)
