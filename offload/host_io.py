@@ -21,8 +21,12 @@ def allocate_host(num_bytes: int, pin: bool) -> Tensor:
 
 def aligned_host(num_bytes: int, pin: bool, align: int) -> Tensor:
     """[num_bytes] uint8 host memory starting at an `align` boundary (O_DIRECT reads land in it); pinned when
-    asked and possible."""
-    raw = allocate_host(num_bytes + align, pin)
+    asked and possible. Pageable memory comes from numpy, which asks the kernel for huge pages for large
+    arrays: O_DIRECT reads into it ran at 2.9-3.0 GB/s here, into torch's 4 KiB pages at 2.0-2.2 GB/s."""
+    if pin:
+        raw = allocate_host(num_bytes + align, pin)
+    else:
+        raw = torch.from_numpy(np.empty(num_bytes + align, dtype=np.uint8))
     skip = -raw.data_ptr() % align
     return raw[skip:skip + num_bytes]
 
