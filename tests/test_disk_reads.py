@@ -130,3 +130,33 @@ def _all_tensors(folder):
     for path in folder.glob("*.safetensors"):
         tensors.update(load_file(str(path)))
     return tensors
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_layer_split_across_shards_is_read_from_each(tmp_path, direct):
+    """Small shards put one layer's tensors in several files: a run per file, every tensor's bytes."""
+    from conftest import make_tiny_checkpoint
+    folder = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2, save_kwargs={"max_shard_size": "20KB"})[0]
+    source = CheckpointSource(folder)
+    assert len(source.file_paths()) > 2
+    layout = source.layout(torch.float32)
+    tier = DiskTier(source, layout, direct=direct)
+    buffer = aligned_host(layout.num_bytes, False, DIRECT_ALIGN)
+    assert max(len({path for path, _ in source.layer_entries(i).values()}) for i in range(2)) > 1
+    for index in range(2):
+        runs, _ = tier._layer_runs(index)
+        assert len({run.path for run in runs}) == len({path for path, _ in source.layer_entries(index).values()})
+        tier.read_into(index, buffer)
+        for name, tensor in source.layer(index).items():
+            assert torch.equal(layout.views(buffer)[name], tensor), (index, name)
+    tier.close()
+    gpu_style = DiskTier(source, layout, direct=direct, span_align=1)   # a GPU ring copies bytes per tensor
+    if not gpu_style.is_direct:
+        assert gpu_style.span_plan(0) is None
+        return
+    span = aligned_host(gpu_style.span_bytes([0, 1]), False, DIRECT_ALIGN)
+    for index in range(2):
+        pieces = gpu_style.read_span(index, span)
+        for name, tensor in source.layer(index).items():
+            assert torch.equal(pieces[name], tensor.reshape(-1).view(torch.uint8)), (index, name)
+    gpu_style.close()
