@@ -1,12 +1,15 @@
 """Host-side tiers: packed layer buffers in RAM (pinned when CUDA is present) and layer reads from disk."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from offload.disk_reads import BufferedReader, DirectReader, FileRun, SpanPlan, as_bytes, plan_runs, span_plan
+from offload.disk_reads import (BufferedReader, DirectReader, FileRun, SpanPlan, aligned_buffer, as_bytes,
+                                plan_runs, span_plan)
 from offload.host_io import allocate_host, drop_page_cache
 from offload.weights.packing import LayerLayout
+from offload.weights.safetensors_io import TensorEntry
 from offload.weights.source import WeightSource
 
 
@@ -33,30 +36,40 @@ class RamTier:
 class DiskTier:
     """Reads a layer straight from the checkpoint files.
 
-    Tensors already in the buffer's dtype are read in file runs (offload/disk_reads.py): with O_DIRECT
-    when `direct` and the file system allows it, else one buffered preadv per run; others go through the
-    memory map and are cast on the way. `read_into` lands them at the layout's places in a slot's buffer;
-    `read_span` (direct only) reads the runs whole into a host buffer and hands back views into it."""
+    A layer's tensors are read in file runs (offload/disk_reads.py): with O_DIRECT when `direct` and the
+    file system allows it, else one buffered preadv per run. `read_into` lands them at the layout's places
+    in a slot's buffer (a tensor stored in another dtype lands in a staging buffer first and is cast into
+    place); `read_span` (direct, no cast) reads the runs whole into a host buffer and hands back views."""
 
     def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False, span_align: int = 16) -> None:
         self.source, self.layout, self.span_align = source, layout, span_align
         self.is_direct = direct and all(DirectReader.supported(path) for path in source.file_paths())
         self.reader = DirectReader() if self.is_direct else BufferedReader()
-        self._runs: dict[int, tuple[list[FileRun], list[str]]] = {}
+        self._runs: dict[int, tuple[list[FileRun], dict[str, TensorEntry]]] = {}
+        self._cast_staging = np.empty(0, dtype=np.uint8)
         self._spans: dict[int, SpanPlan | None] = {}
         self._slots = {slot.name: slot for slot in layout.slots}
 
     def read_into(self, index: int, buffer: Tensor) -> None:
         views = self.layout.views(buffer)
         runs, cast = self._layer_runs(index)
-        targets = {piece.name: as_bytes(views[piece.name].view(-1).view(torch.uint8).numpy())
+        staged = self._staging_for(cast)
+        targets = {piece.name: staged[piece.name] if piece.name in cast
+                   else as_bytes(views[piece.name].view(-1).view(torch.uint8).numpy())
                    for run in runs for piece in run.pieces}
         for run in runs:
             self.reader.read(run, targets)
-        if cast:
-            mapped = self.source.layer(index)
-            for name in cast:
-                views[name].copy_(mapped[name])
+        for name, entry in cast.items():
+            views[name].copy_(torch.from_numpy(staged[name]).view(entry.dtype).view(entry.shape))
+
+    def _staging_for(self, cast: dict[str, TensorEntry]) -> dict[str, np.ndarray]:
+        """A byte region per cast tensor, 64-byte aligned, in one buffer the tier keeps and grows."""
+        places, total = {}, 0
+        for name, entry in cast.items():
+            places[name], total = total, total + -(-entry.num_bytes // 64) * 64
+        if len(self._cast_staging) < total:
+            self._cast_staging = aligned_buffer(total)
+        return {name: self._cast_staging[places[name]:places[name] + entry.num_bytes] for name, entry in cast.items()}
 
     def span_bytes(self, layers: list[int]) -> int:
         """The host buffer `read_span` needs for any of `layers` (0: none of them can be read so)."""
@@ -90,14 +103,14 @@ class DiskTier:
             views[name] = data.view(slot.dtype).view(slot.shape) if data.numel() == slot.num_bytes else data
         return views
 
-    def _layer_runs(self, index: int) -> tuple[list[FileRun], list[str]]:
-        """The layer's file runs (tensors stored in their slot's dtype, read as they are) and the names
-        cast through the memory map."""
+    def _layer_runs(self, index: int) -> tuple[list[FileRun], dict[str, TensorEntry]]:
+        """The layer's file runs (every tensor) and the entries of those stored in another dtype than their
+        slot's (read into staging, then cast)."""
         if index not in self._runs:
             entries = self.source.layer_entries(index)
-            stored = {name: (path, entry.start, entry.num_bytes) for name, (path, entry) in entries.items()
-                      if entry.dtype == self._slots[name].dtype}
-            self._runs[index] = plan_runs(stored), [name for name in entries if name not in stored]
+            spans = {name: (path, entry.start, entry.num_bytes) for name, (path, entry) in entries.items()}
+            cast = {name: entry for name, (_, entry) in entries.items() if entry.dtype != self._slots[name].dtype}
+            self._runs[index] = plan_runs(spans), cast
         return self._runs[index]
 
     def drop_page_cache(self) -> None:
