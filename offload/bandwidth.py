@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from offload.disk_reads import DIRECT_ALIGN, DirectReader, aligned_buffer, read_full
+from offload.disk_reads import DIRECT_ALIGN, DirectReader, aligned_buffer, aligned_up, read_full
 from offload.host_io import allocate_host, drop_page_cache
 
 
@@ -37,22 +37,23 @@ def cold_read_gbps(paths_and_ranges: list[tuple[Path, int, int]], buffer_bytes: 
     (the disk's own rate, as the disk tier reads on a CPU), else buffered after evicting them from the page
     cache."""
     buffer = aligned_buffer(buffer_bytes)
+    direct = {path: DirectReader.supported(path) for path, _, _ in paths_and_ranges}
+    for path in [path for path, is_direct in direct.items() if not is_direct]:
+        drop_page_cache(path)
     start_time = time.perf_counter()
-    total = sum(read_range_cold(path, start, length, buffer) for path, start, length in paths_and_ranges)
+    total = sum(read_range_cold(path, start, length, buffer, direct[path]) for path, start, length in paths_and_ranges)
     return total / (time.perf_counter() - start_time) / 1e9
 
 
-def read_range_cold(path: Path, start: int, length: int, buffer: np.ndarray) -> int:
+def read_range_cold(path: Path, start: int, length: int, buffer: np.ndarray, direct: bool) -> int:
     """Reads bytes [start, start + length) of `path` through `buffer` (aligned, whole DIRECT_ALIGN blocks),
-    bypassing or first evicting the page cache; the bytes of the range read (short at the file's end)."""
-    direct = DirectReader.supported(path)
-    if not direct:
-        drop_page_cache(path)
+    with O_DIRECT when `direct` (else through the page cache, which the caller evicted); the bytes of the
+    range read (short at the file's end)."""
     offset, end, done = (start - start % DIRECT_ALIGN if direct else start), start + length, 0
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         while offset < end:
-            wanted = min(len(buffer), -(-(end - offset) // DIRECT_ALIGN) * DIRECT_ALIGN)
+            wanted = min(len(buffer), aligned_up(end - offset))
             count = read_full(fd, [memoryview(buffer[:wanted])], offset, path)
             done += max(0, min(offset + count, end) - max(offset, start))
             if count < wanted:

@@ -59,11 +59,11 @@ def span_plan(runs: list[FileRun]) -> SpanPlan:
         first = run.start - run.start % DIRECT_ALIGN
         for piece in run.pieces:
             places[piece.name] = position + piece.start - first
-        position += _aligned_up(run.end) - first
+        position += aligned_up(run.end) - first
     return SpanPlan(tuple(runs), places, position)
 
 
-def _aligned_up(offset: int) -> int:
+def aligned_up(offset: int) -> int:
     return -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
@@ -112,11 +112,26 @@ def aligned_buffer(num_bytes: int) -> np.ndarray:
     return raw[skip:skip + num_bytes]
 
 
-class BufferedReader:
+class _OpenFiles:
+    """A reader's file descriptors, one per file, opened with `flags` at first use."""
+
+    def __init__(self, flags: int) -> None:
+        self._flags, self._fds = flags, {}
+
+    def _open(self, path: Path) -> int:
+        return self._fds.get(path) or self._fds.setdefault(path, os.open(path, self._flags))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class BufferedReader(_OpenFiles):
     """Each run in one preadv (through the page cache), scattered into the targets."""
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        super().__init__(os.O_RDONLY)
         self._scratch = memoryview(bytearray(MAX_GAP_BYTES))
 
     def read(self, run: FileRun, targets: dict[str, np.ndarray]) -> None:
@@ -126,25 +141,20 @@ class BufferedReader:
                 views.append(self._scratch[:piece.start - position])
             views.append(memoryview(targets[piece.name][:piece.num_bytes]))
             position = piece.start + piece.num_bytes
-        fd = self._fds.get(run.path) or self._fds.setdefault(run.path, os.open(run.path, os.O_RDONLY))
-        count = read_full(fd, views, run.start, run.path)
+        count = read_full(self._open(run.path), views, run.start, run.path)
         if count < run.end - run.start:
             raise OSError(f"{run.path}: {count} of {run.end - run.start} bytes at offset {run.start} "
                           f"(file truncated?)")
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
-
-class DirectReader:
-    """Each run in aligned O_DIRECT chunks into one bounce buffer, each chunk then copied into place.
-    `open()` returns None where the file system refuses O_DIRECT (tmpfs, some network mounts)."""
+class DirectReader(_OpenFiles):
+    """Each run in aligned O_DIRECT chunks into one bounce buffer, each chunk then copied into place, or
+    whole into a span buffer. `supported(path)` is False where the file system refuses O_DIRECT (tmpfs,
+    some network mounts)."""
 
     def __init__(self, bounce_bytes: int = BOUNCE_BYTES) -> None:
+        super().__init__(os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         self._bounce_bytes, self._bounce_buffer = bounce_bytes, None
-        self._fds: dict[Path, int] = {}
 
     @staticmethod
     def supported(path: Path) -> bool:
@@ -162,7 +172,7 @@ class DirectReader:
         fd = self._open(run.path)
         chunk_start = run.start - run.start % DIRECT_ALIGN
         while chunk_start < run.end:
-            wanted = min(len(self._bounce), _aligned_up(run.end - chunk_start))
+            wanted = min(len(self._bounce), aligned_up(run.end - chunk_start))
             count = read_full(fd, [memoryview(self._bounce[:wanted])], chunk_start, run.path)
             chunk_end = chunk_start + count
             if chunk_end < min(run.end, chunk_start + wanted):
@@ -183,14 +193,11 @@ class DirectReader:
         for run in plan.runs:
             fd = self._open(run.path)
             first = run.start - run.start % DIRECT_ALIGN
-            extent = _aligned_up(run.end) - first
+            extent = aligned_up(run.end) - first
             count = read_full(fd, [memoryview(buffer[position:position + extent])], first, run.path)
             if count < run.end - first:
                 raise OSError(f"{run.path}: read ended at offset {first + count} of {run.end} (file truncated?)")
             position += extent
-
-    def _open(self, path: Path) -> int:
-        return self._fds.get(path) or self._fds.setdefault(path, os.open(path, os.O_RDONLY | os.O_DIRECT))
 
     def _scatter(self, run: FileRun, targets: dict[str, np.ndarray], chunk_start: int, chunk_end: int) -> None:
         for piece in run.pieces:
@@ -198,8 +205,3 @@ class DirectReader:
             if low < high:
                 into = targets[piece.name][low - piece.start:high - piece.start]
                 np.copyto(into, self._bounce[low - chunk_start:high - chunk_start])
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from offload.weights.packing import LayerLayout
-from offload.disk_reads import DIRECT_ALIGN
 from offload.host_io import aligned_host, copy_host
 from offload.pass_stats import PassStats
 from offload.tiers import DiskTier, RamTier
@@ -101,9 +100,9 @@ class StreamingLayers:
         host_bytes = max(self.layout.num_bytes, self._span_bytes)
         if self.is_cuda:
             buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
-            staging = aligned_host(host_bytes, True, DIRECT_ALIGN) if self.disk else None
+            staging = aligned_host(host_bytes, pin=True) if self.disk else None
         else:
-            buffer, staging = aligned_host(host_bytes, False, DIRECT_ALIGN), None
+            buffer, staging = aligned_host(host_bytes, pin=False), None
         slot = _Slot(buffer, staging)
         if self.is_cuda:
             slot.copy_started = torch.cuda.Event(enable_timing=True)
@@ -292,8 +291,10 @@ class StreamingLayers:
             slot.copy_started.record(self.copy_stream)
             if pieces is None:
                 slot.buffer.copy_(host, non_blocking=True)
-            for name, data in (pieces or {}).items():
-                slot.buffer[self._offsets[name]:self._offsets[name] + data.numel()].copy_(data, non_blocking=True)
+            else:
+                for name, data in pieces.items():
+                    start = self._offsets[name]
+                    slot.buffer[start:start + data.numel()].copy_(data, non_blocking=True)
             slot.copied.record(self.copy_stream)
 
     def _raise_if_failed(self, index: int) -> None:

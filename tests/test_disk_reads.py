@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import offload.disk_reads
-from offload.disk_reads import BufferedReader, DirectReader, FileRun, Piece, plan_runs
-from offload.disk_reads import DIRECT_ALIGN
+from offload.disk_reads import BufferedReader, DirectReader, plan_runs
 from offload.host_io import aligned_host
 from offload.tiers import DiskTier
 from offload.weights.source import CheckpointSource
@@ -94,7 +93,7 @@ def test_the_disk_tier_reads_layers_equal_to_the_memory_map(tmp_path, direct, dt
         assert (plan is not None) == (tier.is_direct and dtype == torch.float32
                                       and all(entry.start % 16 == 0 for _, entry in entries))
         if plan is not None:
-            span = aligned_host(tier.span_bytes([index]), False, DIRECT_ALIGN)
+            span = aligned_host(tier.span_bytes([index]), pin=False)
             got = tier.typed_views(tier.read_span(index, span))
             for name, tensor in source.layer(index).items():
                 assert got[name].dtype == dtype and torch.equal(got[name], tensor), (index, name)
@@ -120,7 +119,8 @@ def test_a_cold_read_counts_exactly_the_range_bytes(tmp_path, start, length):
     from offload.disk_reads import aligned_buffer
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(50_000))
-    assert read_range_cold(path, start, length, aligned_buffer(8192)) == min(length, 50_000 - start)
+    direct = DirectReader.supported(path)
+    assert read_range_cold(path, start, length, aligned_buffer(8192), direct) == min(length, 50_000 - start)
 
 
 
@@ -141,7 +141,7 @@ def test_a_layer_split_across_shards_is_read_from_each(tmp_path, direct):
     assert len(source.file_paths()) > 2
     layout = source.layout(torch.float32)
     tier = DiskTier(source, layout, direct=direct)
-    buffer = aligned_host(layout.num_bytes, False, DIRECT_ALIGN)
+    buffer = aligned_host(layout.num_bytes, pin=False)
     assert max(len({path for path, _ in source.layer_entries(i).values()}) for i in range(2)) > 1
     for index in range(2):
         runs, _ = tier._layer_runs(index)
@@ -154,7 +154,7 @@ def test_a_layer_split_across_shards_is_read_from_each(tmp_path, direct):
     if not gpu_style.is_direct:
         assert gpu_style.span_plan(0) is None
         return
-    span = aligned_host(gpu_style.span_bytes([0, 1]), False, DIRECT_ALIGN)
+    span = aligned_host(gpu_style.span_bytes([0, 1]), pin=False)
     for index in range(2):
         pieces = gpu_style.read_span(index, span)
         for name, tensor in source.layer(index).items():

@@ -27,7 +27,7 @@ from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.weights.gguf_source import GgufSource
 from offload.weights.resolve import resolve_model
 from offload.weights.safetensors_io import write_safetensors
-from offload.disk_reads import DIRECT_ALIGN, DirectReader
+from offload.disk_reads import DirectReader
 from offload.host_io import aligned_host
 from offload.tiers import DiskTier
 from offload.weights.source import CheckpointSource, HF_GLOBAL_NAMES, HF_LAYER_NAMES
@@ -167,7 +167,7 @@ def test_a_disk_layer_read_whole_gives_the_files_bytes_in_the_layouts_types(tiny
     tier = DiskTier(source, layout, direct=direct)
     if direct and not tier.is_direct:
         pytest.skip("this file system refuses O_DIRECT")
-    span = aligned_host(max(layout.num_bytes, tier.span_bytes(list(range(LAYERS)))), False, DIRECT_ALIGN)
+    span = aligned_host(max(layout.num_bytes, tier.span_bytes(list(range(LAYERS)))), pin=False)
     for index in range(LAYERS):
         expected = {name: raw.clone() for name, raw in source.layer(index).items()}
         if direct:

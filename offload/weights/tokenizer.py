@@ -92,10 +92,10 @@ class StreamDecoder:
 def _fast_tokenizer(path: Path) -> FastTokenizer:
     """One parsed tokenizer per distinct tokenizer.json content (a draft folder carries a copy of its
     target's). Shared read-only: no padding or truncation is ever set on it."""
-    digest = file_digest(path)
+    digest = _DIGESTS.get(_stat_key(path))
     if digest not in _PARSED:
         data = path.read_bytes()
-        digest = hashlib.sha256(data).digest()    # the bytes parsed name the entry, even if the file just changed
+        digest = _remember_digest(path, data)     # the bytes parsed name the entry, even if the file just changed
         if len(_PARSED) >= 4:
             _PARSED.pop(next(iter(_PARSED)))
         _PARSED[digest] = FastTokenizer.from_str(data.decode("utf-8"))
@@ -105,13 +105,20 @@ def _fast_tokenizer(path: Path) -> FastTokenizer:
 def file_digest(path: Path) -> bytes:
     """sha256 of a file's bytes, remembered while its size and modification time stay (a speculative start
     compares the target's and the draft's tokenizer files, then parses them)."""
+    digest = _DIGESTS.get(_stat_key(path))
+    return digest if digest is not None else _remember_digest(path, path.read_bytes())
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        if len(_DIGESTS) >= 16:
-            _DIGESTS.pop(next(iter(_DIGESTS)))
-        _DIGESTS[key] = hashlib.sha256(path.read_bytes()).digest()
-    return _DIGESTS[key]
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _remember_digest(path: Path, data: bytes) -> bytes:
+    if len(_DIGESTS) >= 16:
+        _DIGESTS.pop(next(iter(_DIGESTS)))
+    digest = _DIGESTS[_stat_key(path)] = hashlib.sha256(data).digest()
+    return digest
 
 
 _PARSED: dict[bytes, FastTokenizer] = {}     # sha256 of a tokenizer.json -> its parse, oldest first
