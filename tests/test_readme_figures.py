@@ -1,9 +1,11 @@
-"""The README is a map a newcomer reads in minutes: at most 300 lines, every relative link resolves, every
-flag of every command is in its command-line reference, and every headline figure is the number that the
-results JSON it links holds.
+"""The README's few headline figures and the record's full table (docs/performance.md, "Headline figures")
+are the numbers that the results JSON each row links holds; every relative link of the README and docs/
+resolves; every flag of every command is in the command-line reference (docs/commands.md, "Command line").
+The README's size: tests/test_readme_size.py.
 
 A headline row's last cell links its JSON and names, in the link's title (hidden when rendered), one key
-path per number of the value cell, in order: `[x.json](bench/results/x.json "rows.4.mean_increase")`.
+path per number of the value cell, in order: `[x.json](bench/results/x.json "rows.4.mean_increase")`, or
+the same as a reference link, `[json][x]` with `[x]: bench/results/x.json "rows.4.mean_increase"` below.
 Matching rule: a figure written with d decimals stands for the JSON number x when |x - figure| <= half a
 unit of its last digit (0.5 * 10^-d), i.e. x rounds to it; a percentage may be a fraction (x * 100) or
 already in percent; a sign is part of the figure; "1,024" is 1024; "×", "%" and bold are decoration.
@@ -21,10 +23,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-MAX_LINES = 300
+PERFORMANCE = ROOT / "docs" / "performance.md"
+COMMANDS = ROOT / "docs" / "commands.md"
+RESULTS = ROOT / "bench" / "results"
 
 NUMBER = re.compile(r"(?<![\w.,])([+-]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(%?)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"([^\"]*)\")?\)")
+REFERENCE_LINK = re.compile(r"\[([^\]]*)\]\[([^\]]+)\]")
+DEFINITION = re.compile(r"^\[([^\]]+)\]:\s+(\S+)(?:\s+\"([^\"]*)\")?\s*$", re.M)
 CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 
@@ -94,14 +100,14 @@ def tables(text: str) -> list[list[dict[str, str]]]:
     return found
 
 
-def check_headline_row(row: dict[str, str]) -> list[str]:
-    """What is wrong with one headline row (nothing: an empty list)."""
+def check_headline_row(row: dict[str, str], page: Path = README) -> list[str]:
+    """What is wrong with one headline row of `page` (nothing: an empty list)."""
     link = LINK.search(row["results"])
     if not link:
         return [f"no results link in {row['results']!r}"]
     target, title = link.groups()
-    path = ROOT / target
-    if not target.startswith("bench/results/") or not path.is_file():
+    path = (page.parent / target).resolve()
+    if not path.is_relative_to(RESULTS) or not path.is_file():
         return [f"{target} is not a file under bench/results/"]
     document = load_results(path)
     figures, key_paths = figures_in(row["value"]), (title or "").split()
@@ -122,13 +128,26 @@ def check_headline_row(row: dict[str, str]) -> list[str]:
     return errors
 
 
+def with_inline_links(text: str) -> str:
+    """Reference links written out inline: `[json][x]` -> `[json](target "title")`; unknown labels stay."""
+    definitions = {label.lower(): (target, title) for label, target, title in DEFINITION.findall(text)}
+
+    def inline(match: re.Match) -> str:
+        if match.group(2).lower() not in definitions:
+            return match.group(0)
+        target, title = definitions[match.group(2).lower()]
+        return f'[{match.group(1)}]({target} "{title}")' if title else f"[{match.group(1)}]({target})"
+
+    return REFERENCE_LINK.sub(inline, text)
+
+
 def headline_rows(text: str) -> list[dict[str, str]]:
-    (rows,) = tables(section(text, "Headline figures"))
+    (rows,) = tables(section(with_inline_links(text), "Headline figures"))
     return rows
 
 
-def test_readme_is_at_most_300_lines():
-    assert len(README.read_text().splitlines()) <= MAX_LINES
+HEADLINE_PAGES = [README, PERFORMANCE]
+HEADLINE_ROWS = [(page, row) for page in HEADLINE_PAGES for row in headline_rows(page.read_text())]
 
 
 MARKDOWN_PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -146,7 +165,8 @@ def _without_code(text: str) -> str:
 @pytest.mark.parametrize("page", MARKDOWN_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     broken = []
-    for target, _ in LINK.findall(_without_code(page.read_text())):
+    text = _without_code(page.read_text())
+    for target, _ in LINK.findall(text) + [(target, title) for _, target, title in DEFINITION.findall(text)]:
         if re.match(r"[a-z]+:", target):
             continue
         file_part, _, anchor = target.partition("#")
@@ -160,16 +180,30 @@ def test_every_relative_link_resolves(page):
     assert not broken, f"{page.name}: links that resolve to nothing: {broken}"
 
 
-def test_the_readme_has_headline_figures():
-    rows = headline_rows(README.read_text())
+@pytest.mark.parametrize("page", HEADLINE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_readme_and_the_record_have_headline_figures(page):
+    rows = headline_rows(page.read_text())
     assert len(rows) >= 10
     for row in rows:
         assert row["command"] and row["machine"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), row
 
 
-@pytest.mark.parametrize("row", headline_rows(README.read_text()), ids=lambda r: r["figure"][:60])
-def test_headline_figure_is_the_number_in_its_results_json(row):
-    assert not check_headline_row(row)
+@pytest.mark.parametrize("page, row", HEADLINE_ROWS,
+                         ids=[f"{p.name}: {r['figure'][:60]}" for p, r in HEADLINE_ROWS])
+def test_headline_figure_is_the_number_in_its_results_json(page, row):
+    assert not check_headline_row(row, page)
+
+
+def _results_file(row: dict[str, str], page: Path) -> Path:
+    return (page.parent / LINK.search(row["results"]).group(1)).resolve()
+
+
+def test_every_readme_figure_is_in_the_record_with_its_command():
+    """The README picks from the record: the same value, command and JSON file in docs/performance.md."""
+    record = [(r["value"], r["command"], _results_file(r, PERFORMANCE)) for r in headline_rows(PERFORMANCE.read_text())]
+    missing = [row["figure"] for row in headline_rows(README.read_text())
+               if (row["value"], row["command"], _results_file(row, README)) not in record]
+    assert not missing, f"README figures not in docs/performance.md's headline table: {missing}"
 
 
 def test_the_matcher_rejects_wrong_figures():
@@ -187,9 +221,15 @@ def test_the_matcher_rejects_wrong_figures():
     assert not matches(tokens_per_pass, True)
 
 
+def test_reference_links_are_written_out_inline():
+    text = 'a [json][x] and [y][unknown]\n\n[x]: bench/results/x.json "rows.0.value"\n'
+    assert with_inline_links(text).startswith('a [json](bench/results/x.json "rows.0.value") and [y][unknown]')
+
+
 def test_a_wrong_figure_in_the_readme_fails():
     row = next(r for r in headline_rows(README.read_text()) if "4.60" in r["value"])
     assert not check_headline_row(row)
+    assert check_headline_row(row, PERFORMANCE)                              # its link read from docs/
     assert check_headline_row({**row, "value": row["value"].replace("4.60", "4.70")})
     assert check_headline_row({**row, "results": row["results"].replace("tokens_per_pass", "tokens_per_second")})
     assert check_headline_row({**row, "value": row["value"] + ", 3.00"})      # a figure with no key path
@@ -207,10 +247,10 @@ def _leaf_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 
 
-def test_every_flag_of_every_command_is_in_the_readme_reference():
+def test_every_flag_of_every_command_is_in_the_command_line_reference():
     from commands import build_parser
 
-    reference = section(README.read_text(), "Command line")
+    reference = section(COMMANDS.read_text(), "Command line")
     flag_tables = [t for t in tables(reference) if t and "flag" in t[0]]
     model_flags, sampling_flags = ({f for row in t for f in FLAG.findall(row["flag"])} for t in flag_tables)
     (command_rows,) = [t for t in tables(reference) if t and "command" in t[0]]
