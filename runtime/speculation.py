@@ -10,7 +10,7 @@ from offload.devices import choose_device
 from offload.planner import kv_cache_bytes
 from spec import Draft, default_draft_for, load_any_draft
 from offload.weights.resolve import ModelNotFoundError
-from spec.draft_folder import is_draft_folder, read_draft_info
+from spec.draft_folder import is_draft_folder, read_draft_info, read_model_config
 from spec.tokenizer_match import TokenizerMismatchError
 
 AUTO_MAX_BUDGET = {"cpu": 1024, "cuda": 2048}   # the largest tree `--budget auto` plans the workspace for
@@ -41,19 +41,18 @@ def max_budget_for(budget: int | None, device: str) -> int:
 
 
 def _draft_config(spec: str | None) -> ModelConfig | None:
+    """A draft folder's model config, refused in one line where it is missing, corrupt or unusable; None
+    without a draft, or for a .gguf file or a Hub id (read only as they load)."""
     folder = Path(spec).expanduser() if spec else None
-    if folder is None or not (folder / "config.json").is_file():
+    if folder is None or not folder.is_dir():
         return None
-    try:
-        return ModelConfig.from_file(folder)
-    except (ValueError, OSError):
-        return None
+    return read_model_config(folder)
 
 
 @dataclass(frozen=True, slots=True)
 class DraftFootprint:
-    """What a draft will take on the device, from its config alone (zeros when unknown): its weights, and
-    its KV cache per cached token (the target's plan makes room for both)."""
+    """What a draft will take on the device, from its config alone (zeros without a draft, or for a .gguf
+    file or Hub id): its weights, and its KV cache per cached token (the target's plan makes room for both)."""
     weight_bytes: int = 0
     kv_token_bytes: int = 0
 

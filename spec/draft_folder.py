@@ -33,6 +33,7 @@ from offload.weights.resolve import resolve_model
 from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES, layer_tensor_names
 
 DRAFT_FORMAT, DRAFT_VERSION = "specstream-draft", 1
+DRAFT_KINDS = ("early-exit", "small")
 VOCAB_MAP_KEY = "specstream.vocab_map"
 HEAD_BIAS_KEY = "lm_head.bias"
 SCALE_SUFFIX = "_scale"
@@ -43,9 +44,14 @@ class DraftFormatError(ValueError):
     """A draft folder is malformed, or its target's embedding is missing or different."""
 
 
+_INFO_TYPES = {"kind": str, "target_layers_reused": int, "vocab_top": int, "target": str,
+               "target_embedding_fingerprint": str, "init_layers": list, "training": dict}
+_REQUIRED_INFO = tuple(_INFO_TYPES)[:5]      # the last two may be absent
+
+
 @dataclass(slots=True)
 class DraftInfo:
-    kind: str                        # "early-exit" | "small"
+    kind: str                        # one of DRAFT_KINDS
     target_layers_reused: int        # first target layers copied and frozen (early-exit)
     vocab_top: int
     target: str                      # "default" (embedded model) or the target folder given to distill
@@ -58,15 +64,23 @@ class DraftInfo:
 
     @classmethod
     def from_dict(cls, raw: dict, folder: Path) -> "DraftInfo":
+        path = folder / "config.json"
         if not isinstance(raw, dict) or raw.get("format") != DRAFT_FORMAT or raw.get("version") != DRAFT_VERSION:
             raw = raw if isinstance(raw, dict) else {}
             raise DraftFormatError(f"{folder}: specstream_draft block is format {raw.get('format')!r} version "
                                    f"{raw.get('version')!r}; this build reads {DRAFT_FORMAT!r} version {DRAFT_VERSION}")
-        required = ("kind", "target_layers_reused", "vocab_top", "target", "target_embedding_fingerprint")
-        missing = [name for name in required if name not in raw]
+        missing = [name for name in _REQUIRED_INFO if name not in raw]
         if missing:
-            raise DraftFormatError(f"{folder / 'config.json'}: specstream_draft block lacks {', '.join(missing)}")
-        return cls(**{name: raw[name] for name in (*required, "init_layers", "training") if name in raw})
+            raise DraftFormatError(f"{path}: specstream_draft block lacks {', '.join(missing)}")
+        for name, kind in _INFO_TYPES.items():
+            value = raw.get(name, kind())
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise DraftFormatError(f"{path}: specstream_draft {name} must be {kind.__name__}, got {value!r}")
+        if raw["kind"] not in DRAFT_KINDS or raw["vocab_top"] < 1 or raw["target_layers_reused"] < 0:
+            raise DraftFormatError(f"{path}: specstream_draft needs kind in {', '.join(DRAFT_KINDS)}, vocab_top "
+                                   f"> 0 and target_layers_reused >= 0, got {raw['kind']!r}, {raw['vocab_top']}, "
+                                   f"{raw['target_layers_reused']}")
+        return cls(**{name: raw[name] for name in _INFO_TYPES if name in raw})
 
 
 def is_draft_folder(path: str | Path) -> bool:
@@ -74,17 +88,33 @@ def is_draft_folder(path: str | Path) -> bool:
 
 
 def _read_config(folder: Path) -> dict:
-    """config.json as a dict ({} where there is none); a file that is not a JSON object is refused."""
+    """config.json as a dict ({} where there is none); one that is unreadable or not a JSON object is refused."""
     path = folder / "config.json"
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
         raw = json.loads(path.read_text())
+    except OSError as err:          # a directory, or a file this user may not read
+        raise DraftFormatError(f"{path} cannot be read ({err.strerror or err})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DraftFormatError(f"{path} is not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise DraftFormatError(f"{path} is not a JSON object")
     return raw
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    """A draft's model config (a draft folder's or an ordinary model folder's), refused in one line naming
+    config.json where it is missing, unreadable, not JSON, or lacks or mistypes a field."""
+    path = folder / "config.json"
+    if not path.exists():
+        raise DraftFormatError(f"{folder} is not a model folder (no config.json)")
+    raw = _read_config(folder)
+    try:
+        return ModelConfig.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as err:
+        problem = f"lacks {err}" if isinstance(err, KeyError) else str(err)
+        raise DraftFormatError(f"{path}: not a usable model config ({problem})") from None
 
 
 def read_draft_info(folder: str | Path) -> DraftInfo:
@@ -93,11 +123,7 @@ def read_draft_info(folder: str | Path) -> DraftInfo:
     raw = _read_config(folder)
     if "specstream_draft" not in raw:
         raise DraftFormatError(f"{folder} is not a draft folder (no config.json with a specstream_draft block)")
-    try:
-        ModelConfig.from_dict(raw)
-    except (KeyError, TypeError, ValueError) as err:
-        problem = f"lacks {err}" if isinstance(err, KeyError) else str(err)
-        raise DraftFormatError(f"{folder / 'config.json'}: not a usable model config ({problem})") from None
+    read_model_config(folder)
     return DraftInfo.from_dict(raw["specstream_draft"], folder)
 
 

@@ -20,6 +20,7 @@ from offload.weights.safetensors_io import SafetensorsFile, write_safetensors
 from offload.model.config import ModelConfig
 from offload.weights.formats import open_source
 from judge.policy import load_judge_for
+from runtime.speculation import estimated_draft_footprint
 from spec.distill import load_draft_module
 from spec.draft import load_draft
 from test_no_pickle import tiny_trainer
@@ -136,6 +137,64 @@ def test_a_draft_module_for_training_is_checked_too(tmp_path, default_embed):
     with pytest.raises(ValueError) as err:
         load_draft_module(folder, default_embed)
     assert DRAFT_BREAKS["shapes"][1] in one_line(err, folder)
+
+
+def _edit_config(folder: Path, change: Callable[[dict], None]) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _config_as_directory(folder: Path) -> None:
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()
+
+
+CONFIG_BREAKS = {
+    "corrupt JSON": (lambda f: (f / "config.json").write_text('{"hidden_size": 5'), "config.json is not valid JSON"),
+    "not UTF-8": (lambda f: (f / "config.json").write_bytes(b"\xff\xfe{}"), "config.json is not valid JSON"),
+    "not an object": (lambda f: (f / "config.json").write_text("[576]"), "config.json is not a JSON object"),
+    "a directory": (_config_as_directory, "config.json cannot be read (Is a directory)"),
+    "no config": (lambda f: (f / "config.json").unlink(), "is not a model folder (no config.json)"),
+    "missing field": (lambda f: _edit_config(f, lambda c: c.pop("hidden_size")),
+                      "config.json: not a usable model config (lacks 'hidden_size')"),
+    "wrong type": (lambda f: _edit_config(f, lambda c: c.update(num_hidden_layers="3")),
+                   "num_layers must be a positive integer, got '3'"),
+    "fractional": (lambda f: _edit_config(f, lambda c: c.update(num_hidden_layers=2.5)),
+                   "num_layers must be a positive integer, got 2.5"),
+    "missing draft field": (lambda f: _edit_config(f, lambda c: c["specstream_draft"].pop("vocab_top")),
+                            "specstream_draft block lacks vocab_top"),
+    "wrong draft type": (lambda f: _edit_config(f, lambda c: c["specstream_draft"].update(vocab_top="4096")),
+                         "specstream_draft vocab_top must be int, got '4096'"),
+    "bad draft kind": (lambda f: _edit_config(f, lambda c: c["specstream_draft"].update(kind="huge")),
+                       "needs kind in early-exit, small"),
+}
+
+
+@pytest.mark.parametrize("broken", CONFIG_BREAKS)
+def test_a_broken_draft_config_is_refused_before_planning(tmp_path, broken):
+    """The target's plan makes room for the draft from its config.json alone: a config that cannot be read
+    is refused in one line, never planned as a draft of zero bytes."""
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    shutil.copyfile(SHIPPED_DRAFT / "config.json", folder / "config.json")
+    assert estimated_draft_footprint(str(folder), 4).weight_bytes > 50e6       # the valid start: 3 layers + head
+    change, expected = CONFIG_BREAKS[broken]
+    change(folder)
+    with pytest.raises(ValueError) as err:
+        estimated_draft_footprint(str(folder), 4)
+    assert expected in one_line(err, folder)
+
+
+def test_a_broken_draft_config_through_the_cli_is_one_error_line(tmp_path):
+    folder = tmp_path / "draft"
+    shutil.copytree(SHIPPED_DRAFT, folder)
+    (folder / "config.json").write_text("{not json")
+    done = subprocess.run([sys.executable, str(ROOT / "cli.py"), "run", "hi", "--draft", str(folder),
+                           "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{folder / 'config.json'} is not valid JSON" in errors[0]
 
 
 # -- distillation checkpoints -----------------------------------------------------------------------

@@ -14,8 +14,7 @@ from torch import Tensor, nn
 from offload.model.config import ModelConfig
 from offload.model.layers import decoder_layer, linear, rms_norm
 from offload.model.rope import Rotary
-
-DRAFT_KINDS = ("early-exit", "small")
+from spec.draft_folder import DRAFT_KINDS
 
 
 class PassThroughCache:
