@@ -23,16 +23,15 @@ class DraftUnavailable(Exception):
 @dataclass(slots=True)
 class DraftChoice:
     spec: str | None          # what to load: a draft folder, model folder, .gguf or Hub id (None: no draft)
-    is_explicit: bool         # the user named it (--draft) rather than the target's shipped draft
 
 
 def choose_draft(target: str | None, draft: str | None, no_draft: bool) -> DraftChoice:
     if no_draft:
-        return DraftChoice(None, False)
+        return DraftChoice(None)
     if draft is not None:
-        return DraftChoice(draft, True)
+        return DraftChoice(draft)
     shipped = default_draft_for(target)
-    return DraftChoice(str(shipped) if shipped else None, False)
+    return DraftChoice(str(shipped) if shipped else None)
 
 
 def max_budget_for(budget: int | None, device: str) -> int:
