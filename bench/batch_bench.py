@@ -23,7 +23,7 @@ from offload.devices import choose_device, choose_dtype
 from offload.loader import largest_batch_for, streaming_device_budget
 from offload.weights.resolve import resolve_model
 from offload.weights.tokenizer import Tokenizer
-from runtime.auto_budget import auto_budget
+from perf.probe import auto_budget
 from runtime.models import load_model
 from runtime.speculation import DraftFootprint, estimated_draft_footprint
 from spec import SamplingConfig

@@ -76,10 +76,11 @@ def plan_70b(gpu: str = "rtx4090", device_budget_gib: int = 24, host_budget_gib:
     """`plan --target tests/fixtures/configs/llama-2-70b --weights spqr-w4 --gpu rtx4090 --gpu-mem 24GiB
     --ram 64GiB --json` through its library (link: the preset's), and the largest batch that fits."""
     from offload.model.config import ModelConfig
-    from offload.pass_model import gpu_preset
     from offload.planner import largest_batch, make_plan
-    from runtime.plan_projection import ProjectionSettings, project_plan, request_for_weights, weight_bytes_for
-    from spec.projection import default_acceptance_curve
+    from perf.pass_model import gpu_preset
+    from perf.plan_projection import ProjectionSettings, project_plan
+    from perf.plan_request import request_for_weights, weight_bytes_for
+    from perf.projection import default_acceptance_curve
     config = ModelConfig.from_file(ROOT / PLAN_CONFIG)
     preset = gpu_preset(gpu)
     weights = weight_bytes_for(config, "spqr-w4", None, "bf16")

@@ -1,5 +1,5 @@
 """Device check: what the streamed regime costs on this machine, as one JSON that
-offload.pass_model.load_device_check reads (`plan --measured-curve FILE`).
+perf.pass_model.load_device_check reads (`plan --measured-curve FILE`).
 
     python bench/device_check.py [--device auto] [--shape 70b] [--layers 8] [--tokens 1,16,...,2048]
                                  [--sections stream,spqr,gguf,syncs] [--out FILE]

@@ -22,9 +22,10 @@ from offload.host_sync import count_steps
 from offload.loader import stop_token_ids, streaming_device_budget
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model, resolve_model
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
-from spec.budget import BudgetChooser, PassTimeCurve, check_budget, probe_pass_times
+from perf.pass_curve import PassTimeCurve
+from perf.probe import auto_budget, measure_pass_seconds as _pass_seconds, probe_pass_times
+from perf.tree_size import BudgetChooser, check_budget
 from spec.draft import load_any_draft, require_draft
-from runtime.auto_budget import _pass_seconds, auto_budget
 from bench.journal import BenchJournal, changed_fields, fingerprint, result_from_dict, result_to_dict
 from bench.hf_draft import Peer, PeerRun, open_peer
 from runtime.speculation import estimated_draft_footprint

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from offload import LoadOptions  # noqa: E402
 from runtime.models import load_model  # noqa: E402
-from runtime.auto_budget import auto_budget  # noqa: E402
+from perf.probe import auto_budget  # noqa: E402
 from spec import (DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for,  # noqa: E402
                   load_any_draft)
-from spec.budget import parse_budget  # noqa: E402
+from perf.tree_size import parse_budget  # noqa: E402
 
 PROMPT_FILES = [ROOT / "textdata/chat/prompts.jsonl", ROOT / "textdata/mt_bench/question.jsonl"]
 

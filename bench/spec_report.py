@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from offload.planner import Plan
 from spec import DecodeResult, DecodeStats, SamplingConfig
-from spec.budget import PassTimeCurve
+from perf.pass_curve import PassTimeCurve
 
 
 def mode_report(plan: Plan, results: dict, reference: list[list[int]], sampling: SamplingConfig,

@@ -54,7 +54,7 @@ def _sampling(args):
 def _session(args, console, **batch):
     from runtime import RuntimeConfig, Session
     from offload.planner import parse_bytes
-    from spec.budget import parse_budget
+    from perf.tree_size import parse_budget
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     ram = parse_bytes(args.ram) if args.ram else None
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,

@@ -1,8 +1,9 @@
 """plan: where each part of a model would live (device, RAM, disk) and the predicted transfer per pass, from
 config.json alone (or a GGUF file's header). A plan may describe a GPU this machine does not have
-(`--device cuda` on a CPU-only machine): then the budgets must be given and the link rate is nominal PCIe
-4.0 x16 unless given. With a GPU described (`--gpu`, `--gpu-tflops`) or measured (`--measured-curve`) it
-also projects the pass time by tree size, the budget that maximises tokens per second, and that rate."""
+(`--device cuda` on a CPU-only machine): then the memory limits must be given and the link rate is nominal
+PCIe 4.0 x16 unless given. With a GPU described (`--gpu`, `--gpu-tflops`) or measured (`--measured-curve`)
+it also projects the pass time by tree size, the tree budget that maximises the rate (tokens per second),
+and that rate."""
 from __future__ import annotations
 
 import json
@@ -12,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from offload.budgets import default_device_budget, default_host_budget
 from offload.devices import DTYPES, choose_device
+from offload.memory_limits import default_device_memory, default_host_memory
 from offload.model.config import ModelConfig
-from offload.pass_model import GPU_PRESETS, GpuPreset, gpu_preset, load_device_check
 from offload.planner import Plan, format_bytes, make_plan, parse_bytes
 from offload.weights.gguf_import import cache_root
 from offload.weights.gguf_model import gguf_file_of
 from offload.weights.resolve import resolve_model
 from offload.weights.sizes import WeightBytes
-from runtime.plan_projection import (WEIGHT_FORMATS, PlanProjection, ProjectionSettings, project_plan,
-                                     request_for_weights, weight_bytes_for)
-from spec.projection import default_acceptance_curve, load_acceptance_curve
+from perf.pass_model import GPU_PRESETS, GpuPreset, gpu_preset, load_device_check
+from perf.plan_projection import PlanProjection, ProjectionSettings, project_plan
+from perf.plan_request import WEIGHT_FORMATS, request_for_weights, weight_bytes_for
+from perf.projection import default_acceptance_curve, load_acceptance_curve
 
 from .flags import add_device, add_draft, add_target
 
@@ -37,9 +38,9 @@ def build_plan(args) -> tuple[Plan, WeightBytes]:
     config = ModelConfig.from_file(folder)
     draft = ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None
     weights = weight_bytes_for(config, args.weights, gguf_file_of(folder), args.dtype)
-    host_budget = parse_bytes(args.ram) if args.ram else default_host_budget()
-    request = request_for_weights(config, weights, DTYPES[args.dtype].itemsize, _device_budget(args, device),
-                                  host_budget, draft, args.context, args.budget, args.ring, device.type == "cpu")
+    host_memory = parse_bytes(args.ram) if args.ram else default_host_memory()
+    request = request_for_weights(config, weights, DTYPES[args.dtype].itemsize, _device_memory(args, device),
+                                  host_memory, draft, args.context, args.budget, args.ring, device.type == "cpu")
     return make_plan(request), weights
 
 
@@ -48,14 +49,14 @@ def _device_name(args) -> str:
     return "cuda" if args.device == "auto" and (args.gpu or args.gpu_tflops) else args.device
 
 
-def _device_budget(args, device: torch.device) -> int:
+def _device_memory(args, device: torch.device) -> int:
     if args.gpu_mem:
         return parse_bytes(args.gpu_mem)
     if args.gpu:
         return gpu_preset(args.gpu).memory_bytes
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("no GPU here to read free memory from: give --gpu-mem or --gpu for a CUDA plan")
-    return default_device_budget(device)
+    return default_device_memory(device)
 
 
 def measured_bandwidth(args, plan: Plan) -> tuple[dict[str, float | None], str]:
@@ -105,8 +106,8 @@ def add_parsers(commands) -> None:
     plan = commands.add_parser("plan", help="show where each part of a model would live (config.json is enough)")
     add_target(plan, "model folder, config.json folder, .gguf or Hub id (default: embedded model)")
     add_draft(plan, "draft model folder (kept on the device) (default: none)")
-    plan.add_argument("--gpu-mem", default=None, help="device budget, e.g. 24GiB (default: free memory - margin)")
-    plan.add_argument("--ram", default=None, help="host budget, e.g. 64GiB (default: available RAM - margin)")
+    plan.add_argument("--gpu-mem", default=None, help="device memory limit, e.g. 24GiB (default: free memory - margin)")
+    plan.add_argument("--ram", default=None, help="host memory limit, e.g. 64GiB (default: available RAM - margin)")
     plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
     plan.add_argument("--context", type=int, default=4096, help="context length, tokens (default: 4096)")
     plan.add_argument("--dtype", default="bf16", choices=list(DTYPES),
@@ -170,8 +171,8 @@ def cmd_plan(args, console) -> int:
 
 
 def _edge_assumptions(args, plan: Plan, bandwidth: dict[str, float | None], link_source: str) -> list[str]:
-    budget = "--gpu-mem" if args.gpu_mem else (f"the {args.gpu} preset's memory" if args.gpu else "free memory")
-    lines = [f"device budget: {format_bytes(plan.request.device_budget)} ({budget}); "
+    source = "--gpu-mem" if args.gpu_mem else (f"the {args.gpu} preset's memory" if args.gpu else "free memory")
+    lines = [f"device memory limit: {format_bytes(plan.request.device_budget)} ({source}); "
              f"link: {bandwidth['ram'] / 1e9:g} GB/s ({link_source})"]
     if "disk" in plan.tier_of:
         lines.append(f"disk: {bandwidth['disk'] / 1e9:g} GB/s, read then copied over the link")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from offload.budgets import default_device_budget, default_host_budget
+from offload.memory_limits import default_device_memory, default_host_memory
 from offload.model.config import ModelConfig
 from offload.devices import check_names, choose_device, choose_dtype
 from offload.allocator import keep_freed_host_memory
@@ -165,8 +165,8 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         config=source.config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
         resident_layer_bytes=dense_bytes, ring_decode_bytes=dense_bytes if ahead else 0,
         decode_workspace_bytes=0 if ahead else dense_bytes,
-        device_budget=options.gpu_mem or default_device_budget(device),
-        host_budget=options.ram or default_host_budget(),
+        device_budget=options.gpu_mem or default_device_memory(device),
+        host_budget=options.ram or default_host_memory(),
         draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
         dtype_bytes=dtype.itemsize, ring_size=options.ring_size, device_is_cpu=device.type == "cpu",
         num_sequences=options.num_sequences)

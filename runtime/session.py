@@ -10,10 +10,10 @@ from offload import LoadedModel, LoadOptions, StreamDecoder
 from offload.devices import choose_device, choose_dtype
 from offload.planner import PlanError
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
+from perf.probe import auto_budget, pass_time_curve, throughput_batch
+from perf.tree_size import BudgetChooser, check_budget
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
-from spec.budget import BudgetChooser, check_budget
 from spec.draft import is_draft_folder, load_draft
-from .auto_budget import auto_budget, pass_time_curve, throughput_batch
 from .models import load_model, weight_formats
 from .speculation import (DraftUnavailable, choose_draft, estimated_draft_footprint,
                           load_draft_for, max_budget_for)

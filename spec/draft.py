@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from offload import DecoderModel, ForwardOutput, KVCache, LoadedModel, LoadOptions, Tokenizer, load_model
-from offload.budgets import default_device_budget
+from offload.memory_limits import default_device_memory
 from offload.model.config import ModelConfig
 from offload.devices import choose_device, choose_draft_dtype
 from offload.loader import stop_token_ids
@@ -79,7 +79,7 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
     layout = LayerLayout.from_tensors(layer_tensors[0], dtype)
     plan = make_plan(PlanRequest(
         config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
-        device_budget=options.gpu_mem or default_device_budget(device), host_budget=options.ram or 1,
+        device_budget=options.gpu_mem or default_device_memory(device), host_budget=options.ram or 1,
         max_context=options.max_context, max_tree=options.max_pass_tokens, dtype_bytes=dtype.itemsize,
         ring_size=options.ring_size, device_is_cpu=device.type == "cpu"))
     if any(tier != "device" for tier in plan.tier_of):

@@ -2,7 +2,7 @@
 # Everything a lent GPU should check, in one device call of under 8 minutes. Each step runs under its own
 # time limit (`timeout`); a failing or slow step leaves the others' results, and the merged JSON is written
 # whatever failed:  bash tests/gpu_session.sh OUT_DIR  ->  OUT_DIR/gpu_session_<card>.json, in the format
-# offload.pass_model.load_device_check reads (`plan --measured-curve FILE`), and OUT_DIR/gpu_session.log.
+# perf.pass_model.load_device_check reads (`plan --measured-curve FILE`), and OUT_DIR/gpu_session.log.
 #   step        limit (s)
 #   cuda_tests  120  pytest -m cuda: fused SpQR and Q4_K kernels, CUDA streaming, speculation on CUDA equal to
 #                    target greedy, a step's host syncs on CUDA (tests/test_host_syncs.py)

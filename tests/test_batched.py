@@ -235,8 +235,8 @@ def test_auto_batch_size_stops_where_more_sequences_add_no_throughput():
     """By hand, t(B) = 0.7 + 0.3 B up to 16: B / t(B) is 2.909 at 16, 98% of it 2.851; 14 / 4.9 = 2.857
     reaches it, 13 / 4.6 = 2.826 does not. A flat curve (streamed weights) takes the largest; a pass time
     proportional to its tokens (compute-bound) gains nothing from batching; a noisy dip does not stop it."""
-    from runtime.auto_budget import throughput_batch
-    from spec.budget import PassTimeCurve
+    from perf.pass_curve import PassTimeCurve
+    from perf.probe import throughput_batch
     assert throughput_batch(PassTimeCurve([(1, 1.0), (16, 5.5)]), 16) == 14
     assert throughput_batch(PassTimeCurve([(1, 1.0), (64, 1.0)]), 32) == 32
     assert throughput_batch(PassTimeCurve([(1, 0.1), (32, 3.2)]), 32) == 1

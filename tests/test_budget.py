@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from spec.budget import (BudgetChooser, PassTimeCurve, budget_grid, check_budget, curve_path, load_curve,
-                         parse_budget, probe_pass_times, save_curve)
+from perf.pass_curve import PassTimeCurve, curve_path, load_curve, save_curve
+from perf.probe import probe_pass_times
+from perf.tree_size import BudgetChooser, budget_grid, check_budget, parse_budget
 
 CPU_POINTS = [(1, 0.070), (16, 0.125), (64, 0.305), (256, 0.729), (1024, 2.79)]   # measured, 2 cores
 FLAT = PassTimeCurve([(n, 1.0) for n in budget_grid(4096)])

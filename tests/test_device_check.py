@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.device_check import card_slug, merge, random_tree
-from offload.pass_model import load_device_check
+from perf.pass_model import load_device_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = [sys.executable, str(ROOT / "bench" / "device_check.py")]

@@ -1,4 +1,4 @@
-"""The pass-time model (offload/pass_model.py) and the tokens-per-second projection (spec/projection.py),
+"""The pass-time model (perf/pass_model.py) and the rate projection (perf/projection.py),
 on cases worked out by hand in the comments."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from offload.pass_model import (GPU_PRESETS, MeasuredPassCurve, PassModelInputs, gpu_preset, load_device_check,
-                                pass_breakdown, predicted_pass_seconds)
-from spec.projection import (AcceptanceCurve, DraftCost, default_acceptance_curve, load_acceptance_curve,
+from perf.pass_model import (GPU_PRESETS, MeasuredPassCurve, PassModelInputs, gpu_preset, load_device_check,
+                             pass_breakdown, predicted_pass_seconds)
+from perf.projection import (AcceptanceCurve, DraftCost, default_acceptance_curve, load_acceptance_curve,
                              project)
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

@@ -1,27 +1,22 @@
-"""Tree budget: the range a user may ask for, the target's measured pass-time curve (probed once,
-cached on disk) and a chooser that picks each step's tree size to maximise expected tokens per second:
+"""Tree size: the tree budget a user may ask for (`--budget`, tokens per tree) and the chooser that
+picks each step's tree size to maximise the expected rate (tokens per second):
 
     rate(b) = (A(b) + 1) / (t(b) + draft(b) + overhead(b))
 
 A(b) is the expected accepted path length (root excluded) of a best-first tree of b tokens, t(b) the
-target's pass time over b tokens, draft(b) and overhead(b) the learned growth and bookkeeping costs.
+target's pass time over b tokens (perf/pass_curve.py, probed by perf/probe.py), draft(b) and overhead(b)
+the learned growth and bookkeeping costs.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import tempfile
-import warnings
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from .pass_curve import PassTimeCurve
 
 MIN_BUDGET = 1
 MAX_BUDGET = 8192
-CURVE_FORMAT, CURVE_VERSION = "pass-time-curve", 1
 
 
 def check_budget(value: int) -> int:
@@ -42,134 +37,10 @@ def parse_budget(text: str) -> int | None:
                          f"got {text!r}") from None
 
 
-@dataclass(slots=True)
-class PassTimeCurve:
-    """Seconds per pass as a function of tokens in the pass, from measured (tokens, seconds) points."""
-    points: list[tuple[float, float]]
-
-    def __post_init__(self) -> None:
-        self.points = sorted((float(n), float(s)) for n, s in self.points)
-        if not self.points:
-            raise ValueError("a pass-time curve needs at least one (tokens, seconds) point")
-        sizes = [n for n, _ in self.points]
-        if sizes[0] < 1 or len(set(sizes)) != len(sizes):
-            raise ValueError(f"curve sizes must be distinct and >= 1, got {sizes}")
-        if any(not math.isfinite(s) or s < 0 for _, s in self.points):
-            raise ValueError(f"curve seconds must be finite and >= 0, got {[s for _, s in self.points]}")
-
-    def seconds(self, n: float) -> float:
-        """Piecewise-linear between points; the first value below the first point; beyond the last,
-        the last segment's slope, never below the last value."""
-        sizes = [size for size, _ in self.points]
-        if n <= sizes[0]:
-            return self.points[0][1]
-        i = bisect_left(sizes, n)
-        if i == len(sizes):
-            if len(sizes) == 1:
-                return self.points[-1][1]
-            i -= 1
-        (n0, s0), (n1, s1) = self.points[i - 1], self.points[i]
-        value = s0 + (s1 - s0) * (n - n0) / (n1 - n0)
-        return max(value, s1) if n > n1 else value
-
-    def to_dict(self) -> dict:
-        return {"format": CURVE_FORMAT, "version": CURVE_VERSION, "points": [list(p) for p in self.points]}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PassTimeCurve:
-        if data.get("format") != CURVE_FORMAT or data.get("version") != CURVE_VERSION:
-            raise ValueError(f"not a {CURVE_FORMAT} v{CURVE_VERSION}: format={data.get('format')!r}, "
-                             f"version={data.get('version')!r}")
-        return cls([(n, s) for n, s in data["points"]])
-
-
-def probe_sizes(max_tokens: int) -> list[int]:
-    """1, 2, 4, ... below max_tokens, then max_tokens itself (so the curve covers the largest tree)."""
-    check_budget(max_tokens)
-    return [1 << k for k in range(max_tokens.bit_length()) if 1 << k < max_tokens] + [max_tokens]
-
-
-# A pass over m x more tokens costs at most m x more (weights are read once, compute grows with tokens):
-# a point above DISTURBED_FACTOR x that bound was measured while something else held the CPU or GPU.
-DISTURBED_FACTOR = 1.5
-DISTURBED_RETRIES = 3
-
-
-def probe_pass_times(measure: Callable[[int], float], max_tokens: int, stop_factor: float = 12.0,
-                     num_repeats: int = 3, repeat_under_seconds: float = 1.0) -> PassTimeCurve:
-    """Measures one target pass at each of probe_sizes(max_tokens) after a warm-up pass over 1 token.
-    A size whose first pass took under `repeat_under_seconds` is measured `num_repeats` times (best
-    kept); one that costs more than DISTURBED_FACTOR x proportionally more than the size before is
-    measured again, up to DISTURBED_RETRIES times (best kept), and 1 token is measured once more at the
-    end: the curve is cached for good, so a busy moment must not stay in it. Stops after the first size
-    with t(n) > stop_factor * t(1): a tree yields far fewer than stop_factor tokens per pass, so no larger
-    tree can pay for itself."""
-    if stop_factor <= 1 or num_repeats < 1:
-        raise ValueError(f"need stop_factor > 1 and num_repeats >= 1, got {stop_factor}, {num_repeats}")
-    measure(1)
-    points: list[tuple[float, float]] = []
-    for n in probe_sizes(max_tokens):
-        best = _checked_seconds(n, measure(n))
-        if best < repeat_under_seconds:
-            best = min([best] + [_checked_seconds(n, measure(n)) for _ in range(num_repeats - 1)])
-        if points:
-            bound = DISTURBED_FACTOR * n / points[-1][0] * points[-1][1]
-            for _ in range(DISTURBED_RETRIES):
-                if best <= bound:
-                    break
-                best = min(best, _checked_seconds(n, measure(n)))
-        points.append((n, best))
-        if best > stop_factor * points[0][1]:
-            break
-    points[0] = (1, min(points[0][1], _checked_seconds(1, measure(1))))
-    return PassTimeCurve(points)
-
-
-def _checked_seconds(n: int, seconds: float) -> float:
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"a pass over {n} tokens must take finite, non-negative seconds, got {seconds}")
-    return seconds
-
-
-def curve_path(key: dict, folder: Path) -> Path:
-    """The cache file for `key`: a hash of its canonical JSON, so any change of key misses."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    return Path(folder) / f"pass-times-{digest[:24]}.json"
-
-
-def load_curve(key: dict, folder: Path) -> PassTimeCurve | None:
-    """The cached curve for `key`, or None when absent; a corrupt file warns and counts as absent."""
-    path = curve_path(key, folder)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != json.loads(json.dumps(key)):
-            raise ValueError("the stored key differs from the requested one")
-        return PassTimeCurve.from_dict(data["curve"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        warnings.warn(f"ignoring unreadable pass-time cache {path}: {error}", RuntimeWarning, stacklevel=2)
-        return None
-
-
-def save_curve(key: dict, curve: PassTimeCurve, folder: Path) -> Path:
-    """Writes the curve under `folder` atomically (temporary file, then os.replace); returns its path."""
-    path = curve_path(key, folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False)
-    try:
-        with handle:
-            json.dump({"key": key, "curve": curve.to_dict()}, handle)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def budget_grid(max_budget: int) -> list[int]:
-    """Candidate budgets: powers of two from 1 up to max_budget, plus max_budget."""
-    return probe_sizes(max_budget)
+    """Candidate tree budgets (and the probed pass sizes): 1, 2, 4, ... below max_budget, then max_budget."""
+    check_budget(max_budget)
+    return [1 << k for k in range(max_budget.bit_length()) if 1 << k < max_budget] + [max_budget]
 
 
 @dataclass(slots=True)

@@ -1,21 +1,67 @@
-"""`--budget auto`: the target's pass time by tree size, measured once per model, plan and machine (cached
-on disk), feeds the chooser that sizes every tree for the most accepted tokens per second. `--batch-size
-auto` reads the same curve: the batch past which more sequences add latency rather than throughput."""
+"""Probing the target's pass time: `--budget auto` measures one pass per tree size once per model, plan and
+machine (cached on disk) and feeds the curve to the chooser that sizes every tree for the best rate;
+`--batch-size auto` reads the same curve: the batch past which more sequences add latency, not rate."""
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 
 import torch
 
 from offload import LoadedModel
 from offload.weights.gguf_import import cache_root
-from spec.budget import BudgetChooser, PassTimeCurve, load_curve, probe_pass_times, save_curve
 
+from .pass_curve import PassTimeCurve, load_curve, save_curve
+from .tree_size import BudgetChooser, budget_grid
 
 PROBE_VERSION = 2     # 2: disturbed points measured again; curves cached by version 1 are measured anew
 
 
+# A pass over m x more tokens costs at most m x more (weights are read once, compute grows with tokens):
+# a point above DISTURBED_FACTOR x that bound was measured while something else held the CPU or GPU.
+DISTURBED_FACTOR = 1.5
+DISTURBED_RETRIES = 3
+
+
+def probe_pass_times(measure: Callable[[int], float], max_tokens: int, stop_factor: float = 12.0,
+                     num_repeats: int = 3, repeat_under_seconds: float = 1.0) -> PassTimeCurve:
+    """Measures one target pass at each of budget_grid(max_tokens) after a warm-up pass over 1 token.
+    A size whose first pass took under `repeat_under_seconds` is measured `num_repeats` times (best
+    kept); one that costs more than DISTURBED_FACTOR x proportionally more than the size before is
+    measured again, up to DISTURBED_RETRIES times (best kept), and 1 token is measured once more at the
+    end: the curve is cached for good, so a busy moment must not stay in it. Stops after the first size
+    with t(n) > stop_factor * t(1): a tree yields far fewer than stop_factor tokens per pass, so no larger
+    tree can pay for itself."""
+    if stop_factor <= 1 or num_repeats < 1:
+        raise ValueError(f"need stop_factor > 1 and num_repeats >= 1, got {stop_factor}, {num_repeats}")
+    measure(1)
+    points: list[tuple[float, float]] = []
+    for n in budget_grid(max_tokens):
+        best = _checked_seconds(n, measure(n))
+        if best < repeat_under_seconds:
+            best = min([best] + [_checked_seconds(n, measure(n)) for _ in range(num_repeats - 1)])
+        if points:
+            bound = DISTURBED_FACTOR * n / points[-1][0] * points[-1][1]
+            for _ in range(DISTURBED_RETRIES):
+                if best <= bound:
+                    break
+                best = min(best, _checked_seconds(n, measure(n)))
+        points.append((n, best))
+        if best > stop_factor * points[0][1]:
+            break
+    points[0] = (1, min(points[0][1], _checked_seconds(1, measure(1))))
+    return PassTimeCurve(points)
+
+
+def _checked_seconds(n: int, seconds: float) -> float:
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a pass over {n} tokens must take finite, non-negative seconds, got {seconds}")
+    return seconds
+
+
 def auto_budget(target: LoadedModel, max_budget: int, on_status=None) -> BudgetChooser:
+    """`--budget auto`: a tree-size chooser on the target's pass-time curve up to `max_budget` tokens."""
     return BudgetChooser(pass_time_curve(target, max_budget, on_status), max_budget)
 
 
@@ -28,7 +74,7 @@ def pass_time_curve(target: LoadedModel, max_tokens: int, on_status=None) -> Pas
         if on_status:
             on_status("measuring the target's pass time by tokens per pass (once for this model, plan and machine)")
         scratch = target.model.new_cache(max_tokens)
-        curve = probe_pass_times(lambda n: _pass_seconds(target, scratch, n), max_tokens)
+        curve = probe_pass_times(lambda n: measure_pass_seconds(target, scratch, n), max_tokens)
         save_curve(key, curve, folder)
     return curve
 
@@ -59,7 +105,7 @@ def curve_key(target: LoadedModel, max_budget: int) -> dict:
 
 
 @torch.inference_mode()
-def _pass_seconds(target: LoadedModel, scratch, num_tokens: int) -> float:
+def measure_pass_seconds(target: LoadedModel, scratch, num_tokens: int) -> float:
     """One target pass over `num_tokens` tokens (a causal block: the same work as a tree of that size)."""
     tokens = torch.randint(0, target.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
     scratch.truncate(0)

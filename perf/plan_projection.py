@@ -1,9 +1,9 @@
-"""What `plan` predicts beyond placement: the plan request for a weight format and, on a described GPU,
-the pass time by tree size, the tree budget that maximises tokens per second, and that rate:
+"""What `plan` predicts beyond placement, on a described GPU: the pass time by tree size, the tree budget
+that maximises the rate (tokens per second), and that rate:
 
-    pass(b)  = offload.pass_model (per layer: max(transfer, compute + decode)), or a measured curve rescaled
-    draft(b) = seconds per draft round x rounds(b)            (spec.projection.DraftCost)
-    rate(b)  = tokens per pass a(b) / (pass(b) + draft(b))    (spec.projection.project)
+    pass(b)  = perf.pass_model (per layer: max(transfer, compute + decode)), or a measured curve rescaled
+    draft(b) = seconds per draft round x rounds(b)            (perf.projection.DraftCost)
+    rate(b)  = tokens per pass a(b) / (pass(b) + draft(b))    (perf.projection.project)
 
 Defaults, each stated in the projection's `assumptions`:
     decode       a fused kernel that reads the packed layer and writes it dense, at
@@ -14,65 +14,19 @@ Defaults, each stated in the projection's `assumptions`:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from offload.devices import DTYPES
 from offload.model.config import ModelConfig
-from offload.pass_model import GpuPreset, MeasuredPassCurve, PassModelInputs, pass_breakdown
-from offload.loader import DECODE_VS_TRANSFER
-from offload.planner import Plan, PlanRequest, format_bytes, request_from_config
-from offload.weights.sizes import (LLAMA_CPP_BASE_TYPES, WeightBytes, dtype_weight_bytes, gguf_weight_bytes,
-                                   llama_cpp_weight_bytes, spqr_weight_bytes)
-from spec.budget import MAX_BUDGET
+from offload.planner import Plan, PlanRequest, format_bytes
 from spec.grow import MAX_WIDTH
-from spec.projection import AcceptanceCurve, DraftCost, Projection, project
+
+from .pass_model import GpuPreset, MeasuredPassCurve, PassModelInputs, pass_breakdown
+from .projection import AcceptanceCurve, DraftCost, Projection, project
+from .tree_size import MAX_BUDGET
 
 GB = 1e9
 DECODE_MEMORY_EFFICIENCY = 0.5   # a dequantization kernel's share of peak DRAM bandwidth (assumed)
 DRAFT_MEMORY_EFFICIENCY = 0.8    # a batch-1 forward's weight reads (memory-bound GEMV) (assumed)
-SPQR_FORMATS = ("spqr-w3", "spqr-w4", "spqr-w4-g32")
-WEIGHT_FORMATS = (*DTYPES, *SPQR_FORMATS, *LLAMA_CPP_BASE_TYPES)
-
-
-def weight_bytes_for(config: ModelConfig, weights: str | None, gguf_file: Path | None, dtype_name: str) -> WeightBytes:
-    """The decoder layers' bytes: a GGUF file's own types (its header), else the `weights` format planned
-    from config.json (None: dense in `dtype_name`)."""
-    if gguf_file is not None:
-        if weights:
-            raise ValueError(f"{gguf_file.name} is a GGUF file: the plan reads its tensor types from its header; "
-                             f"--weights {weights} plans a config.json only")
-        return gguf_weight_bytes(gguf_file, config)
-    weights = weights or dtype_name
-    if weights in DTYPES:
-        return dtype_weight_bytes(config, weights, DTYPES[weights].itemsize)
-    if weights in LLAMA_CPP_BASE_TYPES:
-        return llama_cpp_weight_bytes(config, weights)
-    if weights in SPQR_FORMATS:
-        from quant.spqr_format import expected_bits_per_param
-        bits, _, groupsize = weights.removeprefix("spqr-w").partition("-g")
-        return spqr_weight_bytes(config, weights, expected_bits_per_param(int(bits), int(groupsize or 16)))
-    raise ValueError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
-
-
-def request_for_weights(config: ModelConfig, weights: WeightBytes, dtype_bytes: int, device_budget: int,
-                        host_budget: int, draft: ModelConfig | None = None, max_context: int = 4096,
-                        max_tree: int = 2048, ring_size: int = 2, device_is_cpu: bool = False) -> PlanRequest:
-    """A plan request with decoder layers as `weights` stores and streams them; globals, KV cache and
-    activations in the compute dtype (`dtype_bytes`). Packed layers need a dense layer to decode into:
-    GGUF in place keeps resident layers dense (or packed, where the planner finds that cheaper) and decodes
-    streamed ones into one dense workspace (as the loader plans GgufSource); a format decoded at every use
-    (SpQR) one dense workspace too."""
-    base = request_from_config(config, dtype_bytes, device_budget, host_budget, draft, max_context, max_tree,
-                               ring_size, device_is_cpu)
-    dense = config.layer_param_count * dtype_bytes
-    extra = {}
-    if weights.resident_dense:
-        extra = dict(resident_layer_bytes=dense, decode_workspace_bytes=dense,
-                     decode_vs_transfer=DECODE_VS_TRANSFER[not device_is_cpu])
-    elif weights.is_packed:
-        extra = dict(decode_workspace_bytes=dense)
-    return replace(base, layer_bytes=weights.streamed_layer_bytes, **extra)
 
 
 @dataclass(slots=True)
@@ -207,7 +161,7 @@ def default_draft_round_seconds(draft: ModelConfig, dtype_bytes: int, gpu: GpuPr
 def _draft_round_seconds(request: PlanRequest, settings: ProjectionSettings, assumptions: list[str]) -> float:
     rounds = DraftCost(0.0)
     rounds_text = (f"rounds per tree of b tokens: max(min({rounds.max_depth + 1}, log2 b), b / {rounds.width}) "
-                   "(spec.projection.DraftCost)")
+                   "(perf.projection.DraftCost)")
     if settings.draft_round_seconds is not None:
         assumptions.append(f"draft: {settings.draft_round_seconds * 1e3:.1f} ms per round (--draft-ms); {rounds_text}")
         return settings.draft_round_seconds
@@ -233,6 +187,6 @@ def _acceptance_line(curve: AcceptanceCurve, projection: Projection) -> str:
             f"budget {largest}")
     if largest > curve.max_budget:
         line += f" (held at its largest measured budget, {curve.max_budget})"
-    if curve.source.startswith("spec/data"):
+    if curve.source.startswith("perf/data"):
         line += "; measured on the default SmolLM2-135M pair, not this one (--acceptance FILE for yours)"
     return line

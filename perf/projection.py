@@ -1,10 +1,10 @@
-"""Projected tokens per second of tree speculation from a pass-time curve, a draft cost and an
+"""The projected rate (tokens per second) of tree speculation from a pass time, a draft cost and an
 acceptance curve, per tree budget b:
 
     rate(b) = a(b) / (t(b) + draft(b))        a(b): tokens per target pass (accepted path + the target's token)
 
 Budget 1 is autoregressive decoding: a(1) = 1 and no draft work. The same rate `BudgetChooser`
-maximises online (spec/budget.py, with A(b) + 1 = a(b)); here every term comes from a curve, so the
+maximises online (perf/tree_size.py, with A(b) + 1 = a(b)); here every term comes from a curve, so the
 `plan` command can say what to expect before any weight is loaded.
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .budget import MAX_BUDGET, budget_grid
-from .grow import MAX_DEPTH, MAX_WIDTH
+from spec.grow import MAX_DEPTH, MAX_WIDTH
+
+from .tree_size import MAX_BUDGET, budget_grid
 
 CURVE_FORMAT, CURVE_VERSION = "acceptance-curve", 1
 DEFAULT_VARIANTS = {"readme-8-prompts": "points", "all-124-prompts": "all_prompts_points"}
@@ -169,13 +170,13 @@ def load_acceptance_curve(path: str | Path, mode: str | None = None) -> Acceptan
 
 
 def default_acceptance_curve(variant: str = "readme-8-prompts") -> AcceptanceCurve:
-    """The shipped curve of the default draft/target pair (spec/data/acceptance_default.json):
+    """The shipped curve of the default draft/target pair (perf/data/acceptance_default.json):
     'readme-8-prompts' (11 budgets, 1-4096) or 'all-124-prompts' (budgets 1, 1024, 4096 only)."""
     if variant not in DEFAULT_VARIANTS:
         raise ValueError(f"unknown acceptance variant {variant!r}; known: {', '.join(DEFAULT_VARIANTS)}")
-    text = resources.files("spec").joinpath("data").joinpath("acceptance_default.json").read_text()
+    text = resources.files("perf").joinpath("data").joinpath("acceptance_default.json").read_text()
     data = json.loads(text)
-    return AcceptanceCurve(_from_curve_file(data, DEFAULT_VARIANTS[variant]), source=f"spec/data ({variant})")
+    return AcceptanceCurve(_from_curve_file(data, DEFAULT_VARIANTS[variant]), source=f"perf/data ({variant})")
 
 
 def _from_curve_file(data: dict, key: str = "points") -> list[tuple[int, float]]:
