@@ -1,15 +1,26 @@
-"""`bench batch`'s summary: the two goal ratios, where throughput saturates and why, and what `plan` predicts
-for a 70B at SpQR w4 on a 24 GiB GPU with 64 GiB of RAM."""
+"""`bench batch`'s report: the measured rows (bench/batch_bench.py), the two goal ratios, where throughput
+saturates and why, and what `plan` predicts for a 70B at SpQR w4 on a 24 GiB GPU with 64 GiB of RAM (the
+70B's config.json ships in bench/configs, so an installed copy plans it too)."""
 from __future__ import annotations
 
 from pathlib import Path
+
+from bench.batch_bench import BatchBenchConfig, Status, run_batch_bench
 
 GOAL_BATCH_SPEEDUP = 8.0          # disk-cold autoregressive tok/s at batch 16 over batch 1
 GOAL_SPECULATION_SPEEDUP = 1.2    # best batched speculative tok/s over best batched autoregressive
 SATURATION_GAIN = 1.10            # saturated: the next batch size adds < 10% throughput
 COMPUTE_BOUND_SHARE = 0.8         # pass time growing >= 80% as fast as tokens per pass: compute-bound
-ROOT = Path(__file__).resolve().parents[1]
-PLAN_CONFIG = "tests/fixtures/configs/llama-2-70b"
+PLAN_CONFIG = "bench/configs/llama-2-70b"     # as `plan --target` names it in a checkout; installed as package data
+
+
+def batch_report(config: BatchBenchConfig, prompts: list[list[dict[str, str]]], on_status: Status) -> dict:
+    """`bench batch`'s JSON (what `bench all` records too): the rows, their summary and the 70B plan."""
+    result = run_batch_bench(config, prompts, on_status=on_status)
+    result["target"] = Path(config.target).name if config.target else "default"
+    result["summary"] = summarize(result)
+    result["plan_70b_spqr_w4"] = plan_70b()
+    return result
 
 
 def summarize(result: dict) -> dict:
@@ -73,7 +84,7 @@ def _reason(row: dict, following: dict, num_prompts: int) -> str:
 
 
 def plan_70b(gpu: str = "rtx4090", device_budget_gib: int = 24, host_budget_gib: int = 64) -> dict:
-    """`plan --target tests/fixtures/configs/llama-2-70b --weights spqr-w4 --gpu rtx4090 --gpu-mem 24GiB
+    """`plan --target bench/configs/llama-2-70b --weights spqr-w4 --gpu rtx4090 --gpu-mem 24GiB
     --ram 64GiB --json` through its library (link: the preset's), and the largest batch that fits."""
     from offload.model.config import ModelConfig
     from offload.planner import largest_batch, make_plan
@@ -81,7 +92,7 @@ def plan_70b(gpu: str = "rtx4090", device_budget_gib: int = 24, host_budget_gib:
     from perf.plan_projection import ProjectionSettings, project_plan
     from perf.plan_request import request_for_weights, weight_bytes_for
     from perf.projection import default_acceptance_curve
-    config = ModelConfig.from_file(ROOT / PLAN_CONFIG)
+    config = ModelConfig.from_file(Path(__file__).resolve().parent / "configs" / Path(PLAN_CONFIG).name)
     preset = gpu_preset(gpu)
     weights = weight_bytes_for(config, "spqr-w4", None, "bf16")
     request = request_for_weights(config, weights, 2, device_budget_gib << 30, host_budget_gib << 30)

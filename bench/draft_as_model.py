@@ -7,25 +7,27 @@ draft's layers and final norm, the target's token embedding, and an LM head over
 the draft's trained rows for its own tokens and zero rows (logit 0) for the rest, which the draft
 never learned to score (the draft's small row biases, std 0.05, are dropped: a plain Llama head has none).
 
-    python bench/draft_as_model.py OUT_DIR
-    python cli.py bench quant --target OUT_DIR --json
+    python cli.py bench quant --natural-weights --json     (the model written to the cache, then measured)
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from offload.weights.gguf_import import cache_root
+from offload.weights.resolve import resolve_model
+from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES, CheckpointSource
+from offload.weights.tokenizer import copy_tokenizer_files
+from spec.distill.draft_io import load_draft_module
+from spec.draft import default_draft_for
 
-from offload.weights.resolve import resolve_model  # noqa: E402
-from offload.weights.source import HF_GLOBAL_NAMES, HF_LAYER_NAMES, CheckpointSource  # noqa: E402
-from spec.distill.draft_io import load_draft_module  # noqa: E402
-from spec.draft import default_draft_for  # noqa: E402
-from offload.weights.tokenizer import copy_tokenizer_files  # noqa: E402
+
+def natural_weights_model() -> Path:
+    """The standalone model of the default target's shipped draft, (re)written under the cache (a few MB)."""
+    return write_draft_as_model(cache_root() / "natural_weights")
 
 
 def write_draft_as_model(out: Path, draft_folder: Path | None = None) -> Path:
@@ -48,9 +50,3 @@ def write_draft_as_model(out: Path, draft_folder: Path | None = None) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_tokenizer_files(target_folder, out)
     return out
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python bench/draft_as_model.py OUT_DIR")
-    print(write_draft_as_model(Path(sys.argv[1])))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench import plots
 from bench.figures import batch_series, disk_label, engine_rows, ratio_rows
-from bench.suite import ROOT
+from bench.suite_config import ROOT
 
 JUDGE_RESULTS = "bench/results/judge_eval_*.json"
 PROJECTION = "bench/results/projection_llama2_70b_rtx4090.json"     # `plan` runs: no measurement, a model

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.suite import ROOT, SuiteConfig
+from bench.suite_config import ROOT, SuiteConfig
 from bench.suite_batch import run_batch
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"

