@@ -3,7 +3,7 @@ with and without speculation, in one run.
 
 Per tier the target (and the draft) load once, planned for the largest batch, and serve every batch size;
 per batch size the autoregressive and speculative rows run back to back, so slow drift of a shared machine
-hits both. A row answers every prompt greedily through one BatchDecoder with `batch_size` slots (continuous
+hits both. A row answers every prompt greedily through one Decoder with `batch_size` slots (continuous
 batching: a finished sequence's slot takes the next prompt) and reports total new tokens per second and
 each request's latency from its admission to its last token (queueing for a slot excluded).
 
@@ -26,9 +26,7 @@ from offload.weights.tokenizer import Tokenizer
 from perf.probe import auto_budget
 from runtime.models import load_model
 from runtime.speculation import DraftFootprint, estimated_draft_footprint
-from spec import SamplingConfig
-from spec.batch_speculator import BatchSpeculator
-from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, FixedTree, SharedBudget
+from spec import BudgetPolicy, DecodeConfig, Decoder, DecodeRequest, FixedBudget, FixedTree, SamplingConfig, Speculator
 from spec.draft import load_any_draft, require_draft
 from bench.spec_bench import DISK_COLD_RESIDENT_LAYERS, MIN_PASS_TOKENS
 
@@ -76,9 +74,9 @@ class BatchBenchConfig:
 
 
 class RecordingBudget:
-    """A SharedBudget that forwards to `inner` and keeps each pass's (tokens, seconds)."""
+    """A BudgetPolicy that forwards to `inner` and keeps each pass's (tokens, seconds)."""
 
-    def __init__(self, inner: SharedBudget) -> None:
+    def __init__(self, inner: BudgetPolicy) -> None:
         self.inner, self.passes = inner, []
 
     def split(self, num_sequences: int, max_pass_tokens: int) -> int:
@@ -98,7 +96,7 @@ class TierRun:
     tier: str
     target: LoadedModel
     draft: object | None
-    chooser: SharedBudget | None
+    chooser: BudgetPolicy | None
     max_context: int
     max_pass_tokens: int
     largest_batch: int                  # the planner's, at this tier's device budget
@@ -188,20 +186,20 @@ def _row(run: TierRun, config: BatchBenchConfig, mode: str, size: int, ids: list
 def _measure(run: TierRun, config: BatchBenchConfig, mode: str, size: int, ids: list[list[int]],
              max_new_tokens: int) -> dict:
     is_speculative = mode == "speculative"
-    speculator = BatchSpeculator(run.draft, size, run.max_context, config.budget or config.max_budget,
-                                 run.max_pass_tokens) if is_speculative else None
-    shared = (run.chooser or FixedTree(config.budget)) if is_speculative else FixedShare(1)
+    speculator = Speculator(run.draft, run.max_context, config.budget or config.max_budget, run.max_pass_tokens,
+                            size) if is_speculative else None
+    shared = (run.chooser or FixedTree(config.budget)) if is_speculative else FixedBudget(1)
     budget = RecordingBudget(shared)
-    decoder = BatchDecoder(run.target.model, run.target.stop_ids, BatchConfig(size, run.max_context,
-                           run.max_pass_tokens), speculator, budget)
+    decoder = Decoder(run.target.model, run.target.stop_ids, DecodeConfig(max_context=run.max_context,
+                      max_pass_tokens=run.max_pass_tokens, max_slots=size), speculator, budget)
     results: list = []
 
-    def finish(request: BatchRequest, result, error: str | None) -> None:
+    def finish(request: DecodeRequest, result, error: str | None) -> None:
         if error is not None:
             raise RuntimeError(f"prompt {request.tag}: {error}")
         results.append(result)
 
-    requests = [BatchRequest(p, SamplingConfig(), max_new_tokens, tag=i) for i, p in enumerate(ids)]
+    requests = [DecodeRequest(p, SamplingConfig(), max_new_tokens, tag=i) for i, p in enumerate(ids)]
     start = time.perf_counter()
     decoder.run(requests, finish)
     wall = time.perf_counter() - start

@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from spec import FixedBudget
-from spec.batch_speculator import BatchSpeculator
-from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, SharedBudget
+from spec import DecodeRequest
 from .batch import BatchItem, Job
 from .session import Session
 from .stop import StopStrings
@@ -19,11 +17,7 @@ OnDone = Callable[[BatchItem, "tuple[str, dict] | str"], None]
 class BatchRunner:
     def __init__(self, session: Session, default_stop: list[str] | None = None) -> None:
         self.session, self.default_stop = session, default_stop
-        config = BatchConfig(session.batch_size, session.config.max_context, session.options.max_pass_tokens)
-        speculator = BatchSpeculator(session.draft, config.max_slots, config.max_context,
-                                     config.max_pass_tokens, config.max_pass_tokens) if session.draft else None
-        self.decoder = BatchDecoder(session.target.model, session.target.stop_ids, config, speculator,
-                                    _shared_budget(session.decoder.budget), session.policy)
+        self.decoder = session.decoder
         self.num_new_tokens = 0
         self.policy_accepted = 0          # tokens a lossy acceptance policy (the judge) took against the target
         self.started = time.perf_counter()
@@ -43,7 +37,7 @@ class BatchRunner:
         or run gets its error message."""
         self.started = time.perf_counter()
 
-        def finish(request: BatchRequest, result, error: str | None) -> None:
+        def finish(request: DecodeRequest, result, error: str | None) -> None:
             item, stops = request.tag
             if error is not None:
                 on_done(item, error)
@@ -55,7 +49,7 @@ class BatchRunner:
 
         self.decoder.run(self._requests(jobs, on_done), finish)
 
-    def _requests(self, jobs: list[Job], on_done: OnDone) -> Iterator[BatchRequest]:
+    def _requests(self, jobs: list[Job], on_done: OnDone) -> Iterator[DecodeRequest]:
         for item, sampling, max_tokens in jobs:
             strings = item.stop if item.stop is not None else self.default_stop
             try:
@@ -64,7 +58,7 @@ class BatchRunner:
             except ValueError as err:
                 on_done(item, str(err))
                 continue
-            yield BatchRequest(prompt_ids, sampling, max_tokens, stops, self._count, tag=(item, stops))
+            yield DecodeRequest(prompt_ids, sampling, max_tokens, stops, self._count, tag=(item, stops))
 
     def _count(self, ids: list[int]) -> None:
         self.num_new_tokens += len(ids)
@@ -72,10 +66,3 @@ class BatchRunner:
             self._updated = time.perf_counter()
             self.on_update()
 
-
-def _shared_budget(budget) -> SharedBudget:
-    """The session's tree budget, shared by the batch: the chooser splits its pass; a fixed --budget N is
-    N tree tokens per pass, split evenly; no draft: roots alone."""
-    if isinstance(budget, FixedBudget):
-        return FixedShare(budget.budget)
-    return budget

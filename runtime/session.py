@@ -85,14 +85,15 @@ class Session:
         self.tokenizer = self.target.tokenizer
         self.model_name = DEFAULT_MODEL_NAME if is_default_model(config.target) else self.target.path.name
         self.draft = self._load_draft(on_status, on_warning, on_progress)
-        decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens)
-        speculator = Speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens) \
-            if self.draft else None
         self._streamed_before = 0
         self.policy = self._policy()
-        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator,
-                               self._budget(max_budget, on_status), self.policy)
-        self.batch_size = self._fitted_batch_size(on_status)
+        budget = self._budget(max_budget, on_status)
+        self.batch_size = self._fitted_batch_size(budget, on_status)
+        decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens,
+                              max_slots=self.batch_size)
+        speculator = Speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens,
+                                self.batch_size) if self.draft else None
+        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator, budget, self.policy)
 
     def _load_target(self, max_budget: int, on_status, on_progress) -> tuple[LoadedModel, int]:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
@@ -121,13 +122,12 @@ class Session:
         cap = min(self.config.max_batch, AUTO_MAX_BATCH[choose_device(self.config.device).type])
         return max(1, largest_batch_for(options, cap))
 
-    def _fitted_batch_size(self, on_status) -> int:
+    def _fitted_batch_size(self, budget, on_status) -> int:
         """The batch the plan sized, or under auto the part of it that still adds throughput on the measured
         pass-time curve (the budget chooser's, else measured once up to the plan's batch)."""
         planned = self.options.num_sequences
         if self.config.batch_size is not None or planned == 1:
             return planned
-        budget = self.decoder.budget
         curve = budget.curve if isinstance(budget, BudgetChooser) else pass_time_curve(self.target, planned, on_status)
         return throughput_batch(curve, planned)
 

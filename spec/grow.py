@@ -18,12 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offload import KVCache
 from offload.host_sync import send
-from .draft import Draft
 from .lookup import LOOKUP_LOGPROB, ContextLookup
-from .penalties import Penalties
-from .tree import Tree, path_tokens
+from .tree import Tree
 
 NOT_EXPANDED = -1
 MAX_WIDTH, MAX_CHILDREN, MAX_DEPTH = 128, 32, 32
@@ -180,44 +177,6 @@ class Growth:
         nodes, last, previous = torch.stack((chosen, pool.tokens[chosen], previous)).tolist()   # one read
         found = [(node, token) for node, token in zip(nodes, self.lookup.children(previous, last)) if token is not None]
         pool.add_nodes([node for node, _ in found], [token for _, token in found], LOOKUP_LOGPROB)
-
-
-class TreeGrower:
-    """Grows trees with a resident draft whose cache holds the committed sequence up to the root."""
-
-    def __init__(self, draft: Draft, cache: KVCache, lookup: ContextLookup | None = None) -> None:
-        self.draft, self.cache, self.lookup = draft, cache, lookup
-        self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row
-        self.num_draft_forwards = 0
-        self.penalties: Penalties | None = None           # the current tree's sampling penalties
-
-    def grow(self, root_token: int, root_logprobs: Tensor, root_position: int,
-             config: GrowthConfig, before_root: int | None = None,
-             penalties: Penalties | None = None) -> tuple[Tree, Tensor]:
-        """root_logprobs [K]: the draft at the root; before_root: the committed token before it (for
-        context lookup); penalties: the target's sampling penalties before the root. -> (tree in best-first
-        order, [N] draft slots), both on the host."""
-        self.penalties = penalties
-        growth = Growth(root_token, root_logprobs, config, self.vocab_map, self.lookup, before_root)
-        while (chosen := growth.next_round(self.cache.max_length - self.cache.num_slots)).numel():
-            first_slot = self.cache.num_slots
-            growth.expanded(chosen, self._expand(growth.pool, chosen, root_position), first_slot)
-        return growth.result()
-
-    def _expand(self, pool: _Pool, chosen: Tensor, root_position: int) -> Tensor:
-        """One draft forward over the chosen nodes -> [W, K] log-probabilities of their children."""
-        mask = self._mask(pool, chosen)
-        positions = (root_position + pool.depths[chosen])[None]
-        paths = path_tokens(pool.tokens, pool.parents, chosen) if self.penalties else None   # [W, D]
-        logq = self.draft.log_probs(pool.tokens[chosen][None], self.cache, positions, mask, keep_pending=True,
-                                    penalties=self.penalties, paths=paths)
-        self.num_draft_forwards += 1
-        return logq
-
-    def _mask(self, pool: _Pool, chosen: Tensor) -> Tensor:
-        """[W, slots + W] bool on the draft's device: the committed sequence, each chosen node's expanded
-        ancestors, itself."""
-        return expansion_mask(pool, chosen, self.cache.length, self.cache.num_slots, self.draft.model.device)
 
 
 def expansion_mask(pool: _Pool, chosen: Tensor, num_committed: int, num_filled: int,

@@ -11,7 +11,7 @@ import torch
 from .decoding import DecodeConfig, Decoder
 from .draft import Draft
 from .sampling import SamplingConfig
-from .speculator import Speculator
+from .speculator import Proposal, Speculator
 from .tree import Tree
 from .verify import accepted_path
 
@@ -34,9 +34,9 @@ def simulate(draft: Draft, prompt_ids: list[int], answer: list[int], budget: int
     committed, position, passes = list(prompt_ids), 0, 0       # answer[position] is the root
     while position < len(answer) - 1:
         growth = DecodeConfig(max_new_tokens).growth(budget, max_new_tokens - (position + 1))
-        tree, slots = speculator.propose(committed, answer[position], growth)   # the growth Decoder uses
+        [(tree, rows)] = speculator.propose([Proposal(0, committed, answer[position], growth)])   # as Decoder grows
         path = _followed_path(tree, answer, position)
-        speculator.accept(tree, slots, path)
+        speculator.accept(0, tree, rows, path)
         committed += [answer[position + i] for i in range(len(path))]
         position += len(path)            # the accepted nodes and the target's token after them
         passes += 1

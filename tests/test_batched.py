@@ -8,9 +8,8 @@ from conftest import add_tiny_tokenizer, make_tiny_checkpoint, perturbed_copy
 from offload import LoadOptions, load_model
 from offload.model.masks import causal_mask
 from offload.model.slots import SlotCache, block_mask
-from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, load_any_draft
-from spec.batch_speculator import BatchSpeculator
-from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedShare, FixedTree
+from spec import (DecodeConfig, Decoder, DecodeRequest, FixedBudget, FixedTree, SamplingConfig, Speculator,
+                  load_any_draft)
 
 VOCAB = 48
 CONTEXT = 160
@@ -41,9 +40,10 @@ def alone(pair, prompt, max_new, budget=1, sampling=None, stop=None, stop_ids=No
 
 def batched(pair, requests, slots, budget=1, max_pass_tokens=PASS, stop_ids=None, shared=FixedTree):
     target, draft = pair
-    speculator = BatchSpeculator(draft, slots, CONTEXT, max(budget, 1), max_pass_tokens) if budget > 1 else None
-    decoder = BatchDecoder(target.model, target.stop_ids if stop_ids is None else stop_ids,
-                           BatchConfig(slots, CONTEXT, max_pass_tokens), speculator, shared(budget))
+    speculator = Speculator(draft, CONTEXT, max(budget, 1), max_pass_tokens, slots) if budget > 1 else None
+    decoder = Decoder(target.model, target.stop_ids if stop_ids is None else stop_ids,
+                      DecodeConfig(max_context=CONTEXT, max_pass_tokens=max_pass_tokens, max_slots=slots), speculator,
+                      shared(budget))
     results, order = {}, []
 
     def on_finish(request, result, error):
@@ -56,7 +56,7 @@ def batched(pair, requests, slots, budget=1, max_pass_tokens=PASS, stop_ids=None
 
 def requests(sampling=None, stop=None, max_new=MAX_NEW, prompts=PROMPTS):
     samplings = sampling if isinstance(sampling, list) else [sampling or SamplingConfig()] * len(prompts)
-    return [BatchRequest(p, s, m, stop, tag=i) for i, (p, m, s) in enumerate(zip(prompts, max_new, samplings))]
+    return [DecodeRequest(p, s, m, stop, tag=i) for i, (p, m, s) in enumerate(zip(prompts, max_new, samplings))]
 
 
 def test_a_packed_pass_over_two_slots_gives_each_sequence_its_own_logits(pair):
@@ -74,7 +74,7 @@ def test_a_packed_pass_over_two_slots_gives_each_sequence_its_own_logits(pair):
         torch.testing.assert_close(packed[rows], alone_logits, rtol=1e-5, atol=1e-5)
     cache.commit(2)
     cache.commit(0, [0, 2])                  # keeps tokens 11 and 40 of the second sequence
-    assert cache.lengths == [2, 0, 5] and cache.pending == [[], [], []]
+    assert cache.lengths == [2, 0, 5] and [p.numel() for p in cache.pending] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -161,17 +161,17 @@ def test_seeded_sampling_does_not_depend_on_the_batch(pair, budget):
     samplings = [SamplingConfig(temperature=0.9, top_p=0.95, seed=seed) for seed in (1, 2, 3, 4, 5)]
     reference = [alone(pair, p, m, budget, s).token_ids for p, m, s in zip(PROMPTS, MAX_NEW, samplings)]
     for slots in (1, 4):
-        results, _, _ = batched(pair, requests(samplings), slots, 4 * budget, shared=FixedShare)
+        results, _, _ = batched(pair, requests(samplings), slots, 4 * budget, shared=FixedBudget)
         assert [r.token_ids for r in results] == reference, slots
     other_seeds = [SamplingConfig(temperature=0.9, top_p=0.95, seed=seed) for seed in (6, 7, 8, 9, 10)]
-    results, _, _ = batched(pair, requests(other_seeds), 4, 4 * budget, shared=FixedShare)
+    results, _, _ = batched(pair, requests(other_seeds), 4, 4 * budget, shared=FixedBudget)
     assert [r.token_ids for r in results] != reference     # the seed matters
 
 
 def test_long_prompts_prefill_in_chunks_alongside_decoding(pair):
     """A pass of 12 tokens: a 38-token prompt joins over several passes while the others decode."""
     reference = [alone(pair, p, m, 4).token_ids for p, m in zip(PROMPTS, MAX_NEW)]
-    results, _, decoder = batched(pair, requests(), 3, 4, max_pass_tokens=12, shared=FixedShare)
+    results, _, decoder = batched(pair, requests(), 3, 4, max_pass_tokens=12, shared=FixedBudget)
     assert [r.token_ids for r in results] == reference
     assert decoder.speculator.cache.num_seq_slots == 3
 

@@ -62,7 +62,7 @@ def step_counts(target, draft, budget: int, device: str = "cpu", prompt: list[in
         return decoder.generate(prompt, SamplingConfig()).stats.num_steps
 
     counts, steps = count_steps(decode, ANSWER_TOKENS, device)
-    return counts, steps, speculators[-1].grower.num_draft_forwards if draft else 0
+    return counts, steps, speculators[-1].num_draft_forwards if draft else 0
 
 
 # Budget 64 on this pair: 16.0 per step, 80.5 before the cuts of issue 29 (boolean-mask loops over tree
@@ -141,14 +141,14 @@ def test_a_batched_speculative_step_stays_under_its_read_budget(pair):
     """Four sequences share every pass, each with a tree of 16: the host reads per sequence and step (the
     answers' reads less a one-token answer's) stay under a stated bound; they were 27.6 before the slot
     cache checked its commits as host ints and each sequence read its path and next token at once."""
-    from spec.batch_speculator import BatchSpeculator
-    from spec.batched import BatchConfig, BatchDecoder, BatchRequest, FixedTree
+    from spec import DecodeRequest, FixedTree
     target, draft = pair
 
     def decode(max_new_tokens: int) -> int:
-        speculator = BatchSpeculator(draft, 4, CONTEXT, 16, PASS_TOKENS)
-        decoder = BatchDecoder(target.model, set(), BatchConfig(4, CONTEXT, PASS_TOKENS), speculator, FixedTree(16))
-        requests = [BatchRequest(PROMPT[:5 + i], SamplingConfig(), max_new_tokens, None, tag=i) for i in range(4)]
+        speculator = Speculator(draft, CONTEXT, 16, PASS_TOKENS, 4)
+        decoder = Decoder(target.model, set(), DecodeConfig(max_context=CONTEXT, max_pass_tokens=PASS_TOKENS, max_slots=4),
+                          speculator, FixedTree(16))
+        requests = [DecodeRequest(PROMPT[:5 + i], SamplingConfig(), max_new_tokens, None, tag=i) for i in range(4)]
         results = []
         decoder.run(requests, lambda request, result, error: results.append(result))
         return sum(result.stats.num_steps for result in results)

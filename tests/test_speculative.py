@@ -6,7 +6,7 @@ import torch
 
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint, perturbed_copy
 from offload import LoadOptions, load_model
-from spec import DecodeConfig, Decoder, FixedBudget, GrowthConfig, SamplingConfig, Speculator, load_any_draft
+from spec import DecodeConfig, Decoder, FixedBudget, GrowthConfig, Proposal, SamplingConfig, Speculator, load_any_draft
 
 VOCAB = 48
 CONTEXT = 160
@@ -218,7 +218,7 @@ def test_stop_tokens_and_length_inside_an_accepted_path_end_where_target_decodin
         _, reference = decode(target, None, PROMPTS[0], 1, max_new=max_new, stop_ids={stop})
         decoder, result = decode(target, itself, PROMPTS[0], 16, max_new=max_new, stop_ids={stop})
         assert result.token_ids == reference.token_ids and result.stats.stop_reason == reference.stats.stop_reason
-        assert decoder.cache.length == len(decoder.cached_ids)
+        assert decoder.cache.lengths[0] == len(decoder.slot_ids[0])
 
 
 class EndsAfter:
@@ -245,7 +245,7 @@ def test_a_stop_condition_inside_an_accepted_path_ends_where_target_decoding_doe
             speculator = Speculator(draft, CONTEXT, budget, 64) if draft else None
             decoder = Decoder(target.model, set(), config, speculator, FixedBudget(budget))
             results.append(decoder.generate(PROMPTS[0], SamplingConfig(), stop=EndsAfter(tail)))
-            assert decoder.cache.length == len(decoder.cached_ids)
+            assert decoder.cache.lengths[0] == len(decoder.slot_ids[0])
         reference, speculative = results
         assert reference.token_ids == free.token_ids[:first + 1] and reference.stats.stop_reason == "stop_string"
         assert speculative.token_ids == reference.token_ids and speculative.stats.stop_reason == "stop_string"
@@ -259,7 +259,7 @@ def test_tree_shrinks_near_the_end_of_the_context(pairs):
     _, reference = decode(target, None, prompt, 1, max_new=40, stop_ids=set())
     decoder, result = decode(target, draft, prompt, 64, max_new=40, stop_ids=set())
     assert result.token_ids == reference.token_ids and result.stats.stop_reason == "context"
-    assert max(result.stats.budgets) == CONTEXT - 1 - len(prompt) and decoder.cache.length == CONTEXT - 1
+    assert max(result.stats.budgets) == CONTEXT - 1 - len(prompt) and decoder.cache.lengths[0] == CONTEXT - 1
 
 
 class Interrupter:
@@ -288,9 +288,9 @@ def test_ctrl_c_mid_growth_or_verification_leaves_both_caches_consistent(pairs, 
     with pytest.raises(KeyboardInterrupt):
         decoder.generate(PROMPTS[0], SamplingConfig())
     monkeypatch.undo()
-    assert decoder.cache.num_pending == 0 and decoder.cache.length == len(decoder.cached_ids)
+    assert decoder.cache.pending[0].numel() == 0 and decoder.cache.lengths[0] == len(decoder.slot_ids[0])
     speculator = decoder.speculator
-    assert speculator.cache.num_pending == 0 and speculator.cache.length == len(speculator.cached_ids)
+    assert speculator.cache.pending[0].numel() == 0 and speculator.cache.lengths[0] == len(speculator.cached_ids[0])
     assert decoder.generate(PROMPTS[2], SamplingConfig()).token_ids == reference.token_ids
 
 
@@ -321,12 +321,12 @@ def test_tree_growth_reads_the_draft_device_once_per_round(pairs, monkeypatch):
     ids come back from the draft's device, in one copy (on a GPU each read waits for all queued work)."""
     target_folder, close, _ = pairs(0)
     target, draft = load_pair(target_folder, close)
-    log_probs = draft.log_probs
-    monkeypatch.setattr(draft, "log_probs", lambda *a, **k: log_probs(*a, **k).as_subclass(DeviceOutput))
+    logits = draft.logits
+    monkeypatch.setattr(draft, "logits", lambda *a, **k: logits(*a, **k).as_subclass(DeviceOutput))
     speculator = Speculator(draft, CONTEXT, 64, 64)
     DeviceOutput.reads = 0
-    tree, slots = speculator.propose(PROMPTS[1][:-1], PROMPTS[1][-1], GrowthConfig(64, max_width=4))
-    rounds = speculator.grower.num_draft_forwards + 1          # the root's children, then one per forward
+    [(tree, slots)] = speculator.propose([Proposal(0, PROMPTS[1][:-1], PROMPTS[1][-1], GrowthConfig(64, max_width=4))])
+    rounds = speculator.num_draft_forwards + 1          # the root's children, then one per forward
     assert tree.num_nodes == 64 and rounds > 3
     assert DeviceOutput.reads == rounds, (DeviceOutput.reads, rounds)
     assert not isinstance(tree.tokens, DeviceOutput) and tree.tokens.device.type == "cpu"

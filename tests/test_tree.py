@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trees import tree_from_parents, tree_mask
-from spec import ExactMatch, GrowthConfig, Tree, TreeGrower, Verdict, accepted_path
+from spec import ExactMatch, GrowthConfig, Proposal, Speculator, Tree, Verdict, accepted_path
 from spec.draft import Draft
 from spec.verify import matches_target
 from conftest import add_tiny_tokenizer
@@ -109,11 +109,8 @@ def grown_paths(tree: Tree) -> dict[tuple, float]:
 @pytest.mark.parametrize("budget, width", [(2, 1), (6, 1), (12, 1), (12, 3), (20, 4)])
 def test_growth_matches_brute_force_best_first(tiny_draft, budget, width):
     prefix, root, children, depth = [3, 7, 1, 9], 5, 3, 3
-    cache = tiny_draft.model.new_cache(128)
-    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
-    cache.commit()
-    grower = TreeGrower(tiny_draft, cache)
-    tree, slots = grower.grow(root, root_logprobs, len(prefix), GrowthConfig(budget, width, children, depth))
+    speculator = Speculator(tiny_draft, 64, budget, 64)
+    [(tree, slots)] = speculator.propose([Proposal(0, prefix, root, GrowthConfig(budget, width, children, depth))])
     expected = brute_force_best(tiny_draft, prefix, root, budget, children, depth)
     got = grown_paths(tree)
     if width == 1:   # one node per round is exact best-first search
@@ -127,15 +124,12 @@ def test_growth_matches_brute_force_best_first(tiny_draft, budget, width):
     assert torch.equal(tree.logprobs, tree.logprobs.sort(descending=True).values)   # best-first order
     for node in range(1, tree.num_nodes):            # every parent (but the root) of a node was expanded
         parent = int(tree.parents[node])
-        assert parent == 0 or int(slots[parent]) >= cache.length
+        assert parent == 0 or int(slots[parent]) >= speculator.cache.lengths[0]
 
 
 def test_chain_is_the_greedy_draft_continuation(tiny_draft):
     prefix, root = [3, 7, 1, 9], 5
-    cache = tiny_draft.model.new_cache(128)
-    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
-    cache.commit()
-    tree, _ = TreeGrower(tiny_draft, cache).grow(root, root_logprobs, len(prefix), GrowthConfig.chain(5))
+    [(tree, _)] = Speculator(tiny_draft, 64, 5, 64).propose([Proposal(0, prefix, root, GrowthConfig.chain(5))])
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
     greedy, sequence = [], [root]
     for _ in range(4):
@@ -145,9 +139,9 @@ def test_chain_is_the_greedy_draft_continuation(tiny_draft):
 
 
 def test_budget_one_is_the_root_alone(tiny_draft):
-    cache = tiny_draft.model.new_cache(16)
-    tree, _ = TreeGrower(tiny_draft, cache).grow(5, torch.zeros(32).log_softmax(-1), 0, GrowthConfig(1))
-    assert tree.num_nodes == 1 and cache.num_pending == 0
+    speculator = Speculator(tiny_draft, 16, 1, 16)
+    [(tree, _)] = speculator.propose([Proposal(0, [3], 5, GrowthConfig(1))])
+    assert tree.num_nodes == 1 and speculator.cache.pending[0].numel() == 0
 
 
 def test_context_lookup_proposes_the_last_out_of_vocabulary_follower_of_a_bigram():
@@ -168,11 +162,9 @@ def test_growth_adds_the_context_lookup_child_and_expands_it_causally(tiny_draft
     prefix, root = [9, 5, 20, 3, 1, 9], 5                 # (9, 5) was followed by 20, outside the rows 0..15
     lookup = ContextLookup(torch.arange(16))
     lookup.sync(prefix + [root])
-    cache = tiny_draft.model.new_cache(128)
-    root_logprobs = tiny_draft.log_probs(torch.tensor([prefix + [root]]), cache, last_only=True)[-1]
-    cache.commit()
-    grower = TreeGrower(tiny_draft, cache, lookup)
-    tree, _ = grower.grow(root, root_logprobs, len(prefix), GrowthConfig(40, 4, 3, 3), before_root=prefix[-1])
+    speculator = Speculator(tiny_draft, 64, 40, 64)
+    speculator.lookups[0] = lookup                        # as for a draft whose rows cover 0..15 alone
+    [(tree, _)] = speculator.propose([Proposal(0, prefix, root, GrowthConfig(40, 4, 3, 3))])
     got = grown_paths(tree)
     assert math.isclose(got[(20,)], LOOKUP_LOGPROB, abs_tol=1e-6)
     under = {path: logp for path, logp in got.items() if len(path) == 2 and path[0] == 20}

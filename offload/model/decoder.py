@@ -65,9 +65,9 @@ class DecoderModel:
         tokens = send(tokens, self.device)        # host inputs go down without waiting for the device
         batch, num_new = tokens.shape
         if positions is None:
-            positions = torch.arange(cache.length, cache.length + num_new, device=self.device).expand(batch, -1)
+            positions = torch.arange(cache.length, cache.length + num_new).expand(batch, -1)
+        cache.reserve(num_new, positions, keep_pending)      # the cache's bookkeeping reads host positions
         positions = send(positions, self.device)
-        cache.reserve(num_new, positions, keep_pending)
         if mask is None:
             mask = causal_mask(cache.num_slots - num_new, num_new, self.device)
         mask = self._full_mask(send(mask, self.device).expand(batch, -1, -1), positions, cache)

@@ -26,6 +26,7 @@ from offload.model.kvcache import CacheFullError
 
 # score entries (query x key) a pass must save per extra attention call before it attends block by block
 SPLIT_MIN_SAVED = 1 << 17
+_NONE = torch.empty(0, dtype=torch.long)      # no pending rows
 
 
 class SlotCache:
@@ -38,11 +39,12 @@ class SlotCache:
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.num_seq_slots, self.max_length = num_seq_slots, max_length
         self.lengths = [0] * num_seq_slots                             # committed rows per slot
-        self.pending: list[list[int]] = [[] for _ in range(num_seq_slots)]   # positions of pending rows
+        self.pending: list[Tensor] = [_NONE] * num_seq_slots          # [n] positions of each slot's pending rows
         self._pass: list[tuple[int, int]] = []                         # (slot, new tokens) of the next pass
         self._write_rows: Tensor | None = None                         # [N] store rows of the pass's tokens
         self._read_rows: Tensor | None = None                          # [S] store rows the pass attends over
         self._segments: list[tuple[int, int, int, int]] | None = None   # per sequence: query rows, key rows
+        self._span: tuple[int, int, int] | None = None                 # a one-slot pass: first, first new, end row
 
     @property
     def num_bytes(self) -> int:
@@ -50,7 +52,7 @@ class SlotCache:
 
     def num_filled(self, slot: int) -> int:
         """Committed plus pending rows of `slot`."""
-        return self.lengths[slot] + len(self.pending[slot])
+        return self.lengths[slot] + self.pending[slot].numel()
 
     def begin(self, layout: Sequence[tuple[int, int]]) -> None:
         """The next pass's layout: (slot, number of new tokens) per sequence, in packed order."""
@@ -70,25 +72,26 @@ class SlotCache:
         ones when `keep_pending`, else replace them."""
         if num_new != sum(count for _, count in self._pass):
             raise ValueError(f"pass of {num_new} tokens does not match the layout {self._pass}")
-        flat = positions.reshape(-1).tolist()
-        base = torch.arange(self.max_length)
-        writes, reads, offset, segments = [], [], 0, []
+        flat = positions.reshape(-1)
+        spans, offset, segments = [], 0, []
         for slot, count in self._pass:
             if not keep_pending:
-                self.pending[slot] = []
+                self.pending[slot] = _NONE
             start, end = self.num_filled(slot), self.num_filled(slot) + count
             if end > self.max_length:
                 raise CacheFullError(f"KV cache slot holds {self.max_length} tokens; {end} needed")
-            self.pending[slot].extend(flat[offset:offset + count])
-            writes.append(slot * self.max_length + base[start:end])
-            reads.append(slot * self.max_length + base[:end])
+            self.pending[slot] = torch.cat((self.pending[slot], flat[offset:offset + count]))
+            first = slot * self.max_length
+            spans.append((first, first + start, first + end))
             key_start = segments[-1][3] if segments else 0
             segments.append((offset, offset + count, key_start, key_start + end))
             offset += count
         self._segments = segments if _worth_splitting(segments) else None
-        device = self.keys.device
-        self._write_rows = torch.cat(writes).to(device)
-        self._read_rows = torch.cat(reads).to(device)
+        self._span = spans[0] if len(spans) == 1 else None    # one sequence reads and writes its rows in place
+        if self._span is None:
+            device = self.keys.device
+            self._write_rows = send(torch.cat([torch.arange(write, end) for _, write, end in spans]), device)
+            self._read_rows = send(torch.cat([torch.arange(first, end) for first, _, end in spans]), device)
 
     def segments(self) -> list[tuple[int, int, int, int]] | None:
         """Per sequence of the reserved pass, (first query, end query, first key, end key) in packed order
@@ -97,11 +100,16 @@ class SlotCache:
 
     def key_positions(self) -> Tensor:
         """[1, S] the position of every key the pass attends over."""
-        rows = [list(range(self.lengths[slot])) + self.pending[slot] for slot, _ in self._pass]
-        return torch.tensor([sum(rows, [])], device=self.keys.device)
+        rows = [torch.cat((torch.arange(self.lengths[slot]), self.pending[slot])) for slot, _ in self._pass]
+        return send(torch.cat(rows)[None], self.keys.device)
 
     def append(self, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """keys/values [1, KVH, N, D] of the reserved pass -> the pass's keys/values [1, KVH, S, D]."""
+        if self._span is not None:
+            first, write, end = self._span
+            self.keys[layer, :, write:end] = keys[0]
+            self.values[layer, :, write:end] = values[0]
+            return self.keys[layer, :, first:end][None], self.values[layer, :, first:end][None]
         self.keys[layer, :, self._write_rows] = keys[0]
         self.values[layer, :, self._write_rows] = values[0]
         return (self.keys[layer].index_select(1, self._read_rows)[None],
@@ -110,10 +118,10 @@ class SlotCache:
     # --- per-slot bookkeeping ---------------------------------------------------------------------------
     def commit(self, slot: int, kept_new_indices: Sequence[int] | Tensor | None = None) -> None:
         """Keeps the given pending rows of `slot` (indices into its pending rows), compacted in order."""
-        length, num_pending = self.lengths[slot], len(self.pending[slot])
+        length, num_pending = self.lengths[slot], self.pending[slot].numel()
         if kept_new_indices is None:
             self.lengths[slot] += num_pending
-            self.pending[slot] = []
+            self.pending[slot] = _NONE
             return
         # checked as host ints (a device tensor of indices is read once); the gather's index goes down unawaited
         kept = kept_new_indices.tolist() if isinstance(kept_new_indices, Tensor) else [int(i) for i in kept_new_indices]
@@ -128,14 +136,14 @@ class SlotCache:
             self.keys[:, :, target] = self.keys.index_select(2, source)
             self.values[:, :, target] = self.values.index_select(2, source)
         self.lengths[slot] += len(kept)
-        self.pending[slot] = []
+        self.pending[slot] = _NONE
 
     def truncate(self, slot: int, length: int) -> None:
         """Drops the slot's committed tokens past `length` (and anything pending); 0 frees the slot."""
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"truncate length must lie in [0, {self.lengths[slot]}], got {length}")
         self.lengths[slot] = length
-        self.pending[slot] = []
+        self.pending[slot] = _NONE
 
 
 def _worth_splitting(segments: list[tuple[int, int, int, int]]) -> bool:
