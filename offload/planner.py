@@ -131,10 +131,18 @@ def workspace_bytes(request: PlanRequest) -> int:
 
 
 def kv_cache_tokens(request: PlanRequest) -> int:
-    """Tokens the target's KV cache holds: context + tree for one sequence, a context per slot for many."""
-    if request.num_sequences == 1:
-        return request.max_context + request.max_tree
+    """Tokens the target's KV cache holds: a context per slot (a tree never takes a slot past its context)."""
     return request.num_sequences * request.max_context
+
+
+def draft_slot_tokens(max_context: int, max_tree: int) -> int:
+    """Tokens one slot of the draft's KV cache holds: the committed sequence plus every node a tree of max_tree
+    tokens expands, with slack for expanded nodes that later drop out (growth stops before overflowing it)."""
+    return max_context + 2 * max_tree + 256
+
+
+def draft_cache_tokens(request: PlanRequest) -> int:
+    return request.num_sequences * draft_slot_tokens(request.max_context, request.max_tree)
 
 
 def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
@@ -146,7 +154,7 @@ def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
              PlanItem(f"activation workspace ({request.max_tree} tokens per pass)", "device",
                       workspace_bytes(request))]
     if request.draft_kv_token_bytes:
-        fixed.insert(1, PlanItem("draft KV cache", "device", request.draft_kv_token_bytes * kv_cache_tokens(request)))
+        fixed.insert(1, PlanItem("draft KV cache", "device", request.draft_kv_token_bytes * draft_cache_tokens(request)))
     if request.draft_bytes:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
     if request.decode_workspace_bytes and (streams or not request.resident_layer_bytes):
@@ -156,8 +164,22 @@ def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
 
 def _kv_label(request: PlanRequest) -> str:
     if request.num_sequences == 1:
-        return f"KV cache ({request.max_context} context + {request.max_tree} tree tokens)"
+        return f"KV cache ({request.max_context} context)"
     return f"KV cache ({request.num_sequences} sequences x {request.max_context} context)"
+
+
+def with_batch(plan: Plan, num_sequences: int) -> Plan:
+    """The same placement for a smaller batch than it was made for (auto's pick on the measured pass time):
+    what never streams counted for `num_sequences`, the layers where they are."""
+    if not 1 <= num_sequences <= plan.request.num_sequences:
+        raise ValueError(f"a plan for {plan.request.num_sequences} sequences cannot hold {num_sequences}")
+    request = replace(plan.request, num_sequences=num_sequences)
+    streams = any(t != "device" for t in plan.tier_of)
+    items = _fixed_items(request, streams)
+    if streams:
+        items.append(PlanItem(f"ring buffers ({request.ring_size} x 1 layer)", "device",
+                              request.ring_size * request.ring_slot_bytes))
+    return Plan(request, plan.tier_of, items + _layer_items(plan.tier_of, request))
 
 
 def largest_batch(request: PlanRequest, limit: int = 1024) -> int:

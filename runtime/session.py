@@ -7,15 +7,15 @@ from pathlib import Path
 import torch
 
 from offload import LoadedModel, LoadOptions, StreamDecoder
-from offload.devices import choose_device, choose_dtype
-from offload.planner import PlanError
+from offload.devices import choose_device
+from offload.planner import PlanError, with_batch
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
 from perf.probe import auto_budget, pass_time_curve, throughput_batch
 from perf.tree_size import BudgetChooser, check_budget
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from spec.draft import is_draft_folder, load_draft
 from .models import load_model, weight_formats
-from .speculation import (DraftUnavailable, choose_draft, estimated_draft_footprint,
+from .speculation import (DraftUnavailable, choose_draft, draft_dtype_bytes, estimated_draft_footprint,
                           load_draft_for, max_budget_for)
 from .stop import HeldBackText, StopStrings
 
@@ -89,9 +89,12 @@ class Session:
         self.policy = self._policy()
         budget = self._budget(max_budget, on_status)
         self.batch_size = self._fitted_batch_size(budget, on_status)
+        if self.batch_size < self.target.plan.request.num_sequences:     # the plan counts what is allocated
+            self.target.plan = with_batch(self.target.plan, self.batch_size)
         decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens,
                               max_slots=self.batch_size)
-        speculator = Speculator(self.draft, config.max_context, max_budget, decode.max_pass_tokens,
+        # the draft's cache is sized for the largest pass the plan sized its own for (draft_slot_tokens)
+        speculator = Speculator(self.draft, config.max_context, decode.max_pass_tokens, decode.max_pass_tokens,
                                 self.batch_size) if self.draft else None
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator, budget, self.policy)
 
@@ -99,7 +102,8 @@ class Session:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
         does not fit the device budget halves the largest tree instead of failing."""
         config = self.config
-        draft = estimated_draft_footprint(self.draft_choice.spec, self._dtype_bytes())
+        spec = self.draft_choice.spec
+        draft = estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device))
         while True:
             self.options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
                                        gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
@@ -134,9 +138,6 @@ class Session:
     @property
     def draft_path(self) -> Path | None:
         return self.draft.path if self.draft else None
-
-    def _dtype_bytes(self) -> int:
-        return choose_dtype(self.config.dtype, choose_device(self.config.device)).itemsize
 
     def _load_draft(self, on_status, on_warning, on_progress):
         if not self.draft_choice.spec:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from offload import LoadedModel, LoadOptions
 from offload.model.config import ModelConfig
-from offload.devices import choose_device
+from offload.devices import choose_device, choose_draft_dtype, choose_dtype
 from offload.planner import kv_cache_bytes
 from spec import Draft, default_draft_for, load_any_draft
 from offload.weights.resolve import ModelNotFoundError
@@ -56,14 +56,23 @@ class DraftFootprint:
     kv_token_bytes: int = 0
 
 
+def draft_dtype_bytes(spec: str | None, device: str) -> int:
+    """Bytes per value of the dtype a draft loads in under "auto": a draft folder choose_draft_dtype's (bf16 on a
+    CPU where it measures faster), any other model choose_dtype's."""
+    where = choose_device(device)
+    if spec and is_draft_folder(Path(spec).expanduser()):
+        return choose_draft_dtype("auto", where).itemsize
+    return choose_dtype("auto", where).itemsize
+
+
 def estimated_draft_footprint(spec: str | None, dtype_bytes: int) -> DraftFootprint:
     config = _draft_config(spec)
     if config is None:
         return DraftFootprint()
     folder = Path(spec).expanduser()
     layers = config.num_layers * config.layer_param_count
-    if is_draft_folder(folder):          # the embedding is the target's; the head has K rows
-        weights = layers + read_draft_info(folder).vocab_top * config.hidden_size
+    if is_draft_folder(folder):          # the embedding is the target's; the head has K rows; the final norm
+        weights = layers + (read_draft_info(folder).vocab_top + 1) * config.hidden_size
     else:
         weights = layers + config.global_param_count
     return DraftFootprint(weights * dtype_bytes, kv_cache_bytes(config, 1, dtype_bytes))

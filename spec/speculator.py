@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from offload.model.masks import causal_mask
+from offload.planner import draft_slot_tokens
 from offload.model.slots import SlotCache, block_mask
 from .draft import Draft
 from .grow import HOST, Growth, GrowthConfig, expansion_mask
@@ -39,9 +40,8 @@ class Speculator:
                  max_slots: int = 1) -> None:
         self.draft, self.max_pass_tokens = draft, max_pass_tokens
         model = draft.model
-        # Per slot: room for the committed sequence plus every node a tree of max_budget expands, with slack for
-        # expanded nodes that later drop out (growth stops before overflowing it).
-        self.cache = SlotCache(model.config, max_slots, max_context + 2 * max_budget + 256, model.device, model.dtype)
+        self.cache = SlotCache(model.config, max_slots, draft_slot_tokens(max_context, max_budget), model.device,
+                               model.dtype)
         self.cached_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self.lookups = [self._new_lookup() for _ in range(max_slots)]
         self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row

@@ -134,7 +134,8 @@ def test_resident_layers_kept_packed_only_where_that_costs_less_per_pass():
 
 
 def test_the_draft_kv_cache_is_planned_beside_the_target_s():
-    """A draft caches what the target caches: context + tree for one sequence, a context per slot for many."""
+    """A draft caches what the target caches plus the nodes its trees expand: per slot a context, twice the
+    largest tree and a slack of 256 (draft_slot_tokens, which the speculator's cache is sized by)."""
     from dataclasses import replace
     from offload.planner import kv_cache_bytes
     config, draft = (ModelConfig.from_file(CONFIGS / name) for name in ("llama-2-70b", "llama-2-7b"))
@@ -142,6 +143,6 @@ def test_the_draft_kv_cache_is_planned_beside_the_target_s():
     per_token = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * 2
     assert request.draft_kv_token_bytes == per_token == kv_cache_bytes(draft, 1, 2)
     items = {i.component: i.num_bytes for i in make_plan(request).items}
-    assert items["draft KV cache"] == per_token * (4096 + 512)
-    batch = {i.component: i.num_bytes for i in make_plan(replace(request, num_sequences=2)).items}
-    assert batch["draft KV cache"] == per_token * 2 * 4096
+    assert items["draft KV cache"] == per_token * (4096 + 2 * 512 + 256)
+    batch = {i.component: i.num_bytes for i in make_plan(replace(request, num_sequences=2, device_budget=48 * GIB)).items}
+    assert batch["draft KV cache"] == per_token * 2 * (4096 + 2 * 512 + 256)
