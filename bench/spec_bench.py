@@ -24,6 +24,7 @@ from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model, resolv
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from perf.pass_curve import PassTimeCurve
 from perf.probe import auto_budget, measure_pass_seconds as _pass_seconds, probe_pass_times
+from perf.result_formats import SPEC
 from perf.tree_size import BudgetChooser, check_budget
 from spec.draft import load_any_draft, require_draft
 from bench.journal import BenchJournal, changed_fields, fingerprint, result_from_dict, result_to_dict
@@ -241,7 +242,7 @@ def run_spec_bench(config: SpecBenchConfig, sampling: SamplingConfig, prompts: l
         bench_prompts = [p for p in bench_prompts if journaled(journal, config, p)]
         if not bench_prompts:
             raise ValueError("--partial: no prompt has all its rows in the journal of a run with these settings")
-    report = {"bench": "spec", "target": DEFAULT_MODEL_NAME if is_default_model(config.target)
+    report = {"bench": SPEC, "target": DEFAULT_MODEL_NAME if is_default_model(config.target)
               else target_folder.name, "draft": Path(config.draft_spec).name, "prompts": len(bench_prompts),
               "max_new_tokens": config.max_new_tokens, "sampling": asdict(sampling), "device": str(device),
               "dtype": dtype, "threads": torch.get_num_threads(), "modes": {}}

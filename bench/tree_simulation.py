@@ -10,7 +10,7 @@ tests/test_simulation_vs_live.py against a recorded live `bench spec` run.
 
     specstream bench tree-simulation --budgets 1024,2048,4096 --limit 4 --max-new-tokens 128
 Prompt files (default: the 44 chat prompts and the MT-Bench first turns; `--limit` takes the first N of
-each). The JSON report is an acceptance source `plan --acceptance` reads.
+each). The JSON report is an acceptance source `plan --acceptance` reads (perf/result_formats.py).
 """
 from __future__ import annotations
 
@@ -23,13 +23,11 @@ import torch
 
 import textdata
 from offload import LoadOptions
+from perf.result_formats import TREE_SIMULATION
 from runtime.models import load_model
 from spec import DecodeConfig, Decoder, default_draft_for, load_any_draft
 from spec.simulation import greedy_answers, simulate
 from spec.distill.prompts import prompts_from_jsonl
-
-FORMAT = "tree-simulation"        # the result's "bench" key: how `plan --acceptance` tells it apart
-
 
 def default_prompt_files() -> list[Path]:
     return [textdata.path(textdata.CHAT_PROMPTS), textdata.path(textdata.MT_BENCH)]
@@ -67,6 +65,6 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
                      "tokens_per_pass_by_prompt": [round((len(a) - 1) / max(n, 1), 3) for a, n in zip(answers, passes)],
                      "draft_seconds": round(time.perf_counter() - start, 1)})
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
-    return {"bench": FORMAT, "target": target.path.name, "draft": Path(draft.path).name,
+    return {"bench": TREE_SIMULATION, "target": target.path.name, "draft": Path(draft.path).name,
             "draft_dtype": str(draft.model.dtype).removeprefix("torch."), "num_prompts": len(prompts),
             "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in answers), "rows": rows}

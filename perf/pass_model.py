@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .result_formats import read_device_check
+
 GB = 1e9
 
 
@@ -208,11 +210,6 @@ class MeasuredPassCurve:
 
 
 def load_device_check(path: str | Path) -> MeasuredPassCurve:
-    """The pass-time curve of a `bench/device_check.py` result (keys: layers, pinned_h2d_gbps, passes[]
-    with tokens, pass_seconds, bytes_streamed)."""
-    data = json.loads(Path(path).read_text())
-    if data.get("check") != "device" or not data.get("passes"):
-        raise ValueError(f"{path} is not a device-check result with passes (check={data.get('check')!r})")
-    passes = data["passes"]
-    return MeasuredPassCurve([(p["tokens"], p["pass_seconds"]) for p in passes], passes[0]["bytes_streamed"],
-                             data["pinned_h2d_gbps"], data["layers"])
+    """The pass-time curve of a device-check result (perf/result_formats.py; tests/gpu/device_check.py)."""
+    check = read_device_check(json.loads(Path(path).read_text()), str(path))
+    return MeasuredPassCurve(check.points, check.bytes_streamed, check.pinned_h2d_gbps, check.num_layers)

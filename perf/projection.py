@@ -19,9 +19,9 @@ from pathlib import Path
 
 from spec.grow import MAX_DEPTH, MAX_WIDTH
 
+from .result_formats import acceptance_points, curve_points
 from .tree_size import MAX_BUDGET, budget_grid
 
-CURVE_FORMAT, CURVE_VERSION = "acceptance-curve", 1
 DEFAULT_VARIANTS = {"readme-8-prompts": "points", "all-124-prompts": "all_prompts_points"}
 
 
@@ -156,17 +156,10 @@ def project(pass_seconds: Callable[[int], float], acceptance: AcceptanceCurve,
 
 
 def load_acceptance_curve(path: str | Path, mode: str | None = None) -> AcceptanceCurve:
-    """Tokens per pass by budget from an acceptance-curve file, a `bench spec` result (`mode`: which
-    of its modes; default the first), a `tree_simulation.py` result, or a tree-simulation-all-prompts
-    file (its parts merged by passes: total tokens / total passes per budget)."""
-    data = json.loads(Path(path).read_text())
-    kind = data.get("format") or data.get("bench")
-    readers = {CURVE_FORMAT: _from_curve_file, "spec": lambda d: _from_spec(d, mode),
-               "tree-simulation": _from_tree_simulation, "tree-simulation-all-prompts": _from_all_prompts}
-    if kind not in readers:
-        raise ValueError(f"{path}: not an acceptance source (format/bench {kind!r}); "
-                         f"readable: {', '.join(readers)}")
-    return AcceptanceCurve(readers[kind](data), source=str(path))
+    """Tokens per pass by budget from an acceptance source (perf/result_formats.py: an acceptance-curve
+    file, a `bench spec` result (`mode`: which of its modes; default the first), a `bench tree-simulation`
+    result, or a file of its parts, merged by passes: total tokens / total passes per budget)."""
+    return AcceptanceCurve(acceptance_points(json.loads(Path(path).read_text()), str(path), mode), source=str(path))
 
 
 def default_acceptance_curve(variant: str = "readme-8-prompts") -> AcceptanceCurve:
@@ -176,40 +169,4 @@ def default_acceptance_curve(variant: str = "readme-8-prompts") -> AcceptanceCur
         raise ValueError(f"unknown acceptance variant {variant!r}; known: {', '.join(DEFAULT_VARIANTS)}")
     text = resources.files("perf").joinpath("data").joinpath("acceptance_default.json").read_text()
     data = json.loads(text)
-    return AcceptanceCurve(_from_curve_file(data, DEFAULT_VARIANTS[variant]), source=f"perf/data ({variant})")
-
-
-def _from_curve_file(data: dict, key: str = "points") -> list[tuple[int, float]]:
-    if data.get("format") != CURVE_FORMAT or data.get("version") != CURVE_VERSION:
-        raise ValueError(f"not a {CURVE_FORMAT} v{CURVE_VERSION}: format={data.get('format')!r}, "
-                         f"version={data.get('version')!r}")
-    return [(b, a) for b, a in data[key]]
-
-
-def _from_spec(data: dict, mode: str | None) -> list[tuple[int, float]]:
-    modes = data.get("modes") or {}
-    name = mode or next(iter(modes), None)
-    if name not in modes:
-        raise ValueError(f"bench spec result has no mode {name!r}; modes: {', '.join(modes) or 'none'}")
-    result = modes[name]
-    points = {row["budget"]: row["tokens_per_pass"] for row in result.get("budgets", [])}
-    if "autoregressive" in result:
-        points[1] = result["autoregressive"]["tokens_per_pass"]
-    return sorted(points.items())
-
-
-def _from_tree_simulation(data: dict) -> list[tuple[int, float]]:
-    return [(row["budget"], row["tokens_per_pass"]) for row in data["rows"]]
-
-
-def _from_all_prompts(data: dict) -> list[tuple[int, float]]:
-    """Each part's row: tokens_per_pass = (answer_tokens - num_prompts) / passes (a prompt's first
-    answer token comes from the prefill), so passes add up across parts."""
-    tokens: dict[int, float] = {}
-    passes: dict[int, float] = {}
-    for part in data["parts"]:
-        part_tokens = part["answer_tokens"] - part["num_prompts"]
-        for row in part["rows"]:
-            tokens[row["budget"]] = tokens.get(row["budget"], 0.0) + part_tokens
-            passes[row["budget"]] = passes.get(row["budget"], 0.0) + part_tokens / row["tokens_per_pass"]
-    return sorted((budget, tokens[budget] / passes[budget]) for budget in tokens)
+    return AcceptanceCurve(curve_points(data, DEFAULT_VARIANTS[variant]), source=f"perf/data ({variant})")

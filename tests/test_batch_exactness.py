@@ -1,6 +1,7 @@
 """Batched vs alone, token for token, on the embedded default pair (was bench/batch_exactness.py): chat
 prompts answered greedily one at a time (Decoder), then together in a packed batch with fewer slots than
-prompts (the same Decoder with more slots: a finished sequence's slot takes the next prompt), with and without speculation."""
+prompts (the same Decoder with more slots: a finished sequence's slot takes the next prompt), with and without
+speculation."""
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from spec import (DecodeConfig, Decoder, DecodeRequest, FixedBudget, SamplingCon
 
 pytestmark = pytest.mark.e2e
 CONTEXT, PASS = 2048, 512
-NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS, BUDGET = 4, 3, 16, 16
+NUM_PROMPTS, BATCH_SIZE, MAX_NEW_TOKENS, BUDGET = 3, 2, 12, 16
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Greedy speculation with the default pair against target-only greedy decoding, token for token, at a fixed
-budget and at the auto budget (was bench/spec_exactness.py): two MT-Bench first turns, 32 tokens each
+budget and at the auto budget (was bench/spec_exactness.py): two MT-Bench first turns, 24 tokens each
 (tests/test_e2e_speculative.py samples chat prompts at budgets 8 and 48). SPEC_EXACTNESS_ALL=1 runs every chat
 prompt and MT-Bench first turn at 128 tokens, the auto budget up to 1,024 (hours on 2 cores)."""
 import json
@@ -16,7 +16,7 @@ from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator,
 
 pytestmark = pytest.mark.e2e
 EVERY = os.environ.get("SPEC_EXACTNESS_ALL") == "1"
-MAX_NEW_TOKENS = 128 if EVERY else 32
+MAX_NEW_TOKENS = 128 if EVERY else 24
 BUDGETS = [parse_budget(b) for b in ("16", "auto")]
 MAX_BUDGET = 1024 if EVERY else 64          # the auto budget's largest tree (its pass-time probe goes this far)
 SAMPLE_IDS = {"81", "121"}     # MT-Bench writing and coding

@@ -39,6 +39,7 @@ from offload.loader import LoadOptions, build_engine  # noqa: E402
 from offload.model.config import ModelConfig, RopeConfig  # noqa: E402
 from offload.weights.packing import LayerLayout  # noqa: E402
 from offload.weights.source import layer_tensor_names  # noqa: E402
+from perf.result_formats import DEVICE_CHECK  # noqa: E402
 from spec.tree import Tree  # noqa: E402
 
 SHAPES = {"70b": dict(hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128),
@@ -163,7 +164,7 @@ def check(device: torch.device, shape: str, num_layers: int, pass_tokens: list[i
     """The sections asked for, in order -> the result (also written to `out` after each section)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = model_config(shape, num_layers)
-    result = {"check": "device", "date": date.today().isoformat(), "device": device_name(device),
+    result = {"check": DEVICE_CHECK, "date": date.today().isoformat(), "device": device_name(device),
               "dry_run": shape != "70b", "shape": shape, "dtype": str(dtype).removeprefix("torch."),
               "layers": num_layers, "sections": sections, "errors": {}}
     runs = {"stream": lambda: stream_check(config, device, dtype, pass_tokens),
@@ -202,7 +203,7 @@ def merge(parts: list[Path], steps: Path | None, junit: Path | None) -> dict:
     """One JSON from a session's part results (in order, each key from the first part that has it; errors
     and sections joined), its steps' exit codes and seconds ("name rc seconds" lines) and pytest's junit
     summary. Written whatever failed: without a stream part its passes are empty."""
-    result: dict = {"check": "device", "passes": [], "errors": {}, "sections": []}
+    result: dict = {"check": DEVICE_CHECK, "passes": [], "errors": {}, "sections": []}
     for part in parts:
         try:
             data = json.loads(part.read_text())

@@ -1,0 +1,58 @@
+"""`bench`'s table (commands/bench.py): each subcommand has help, flags and a handler, a name outside the table
+is refused in one line; `bench tree-simulation` writes what `plan --acceptance` reads (perf/result_formats.py)."""
+import json
+
+import pytest
+
+import cli
+import textdata
+from commands.bench import BENCHES, cmd_bench
+from perf.projection import load_acceptance_curve
+
+
+def bench_choices() -> dict:
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    return next(a for a in commands["bench"]._actions if a.dest == "bench").choices
+
+
+def test_the_parser_offers_exactly_the_table():
+    choices = bench_choices()
+    assert list(choices) == list(BENCHES) and {"tree-simulation", "startup", "batch", "all"} <= set(choices)
+    for name, bench in BENCHES.items():
+        assert bench.help and ("--json" in choices[name].format_help()) == bench.prints_json, name
+
+
+def test_a_name_outside_the_table_is_one_error_line(capsys):
+    class Args:
+        bench = "no-such-bench"
+    with pytest.raises(ValueError, match="unknown bench 'no-such-bench'; choose from quant, quant-disk"):
+        cmd_bench(Args(), None)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "no-such-bench"])
+    assert "invalid choice: 'no-such-bench'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["startup", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["tree-simulation", "--budgets", "4,x"], "--budgets takes comma-separated integers"),
+    (["stream", "--tokens", "0"], "--tokens takes positive integers"),
+    (["quant", "--natural-weights", "--target", "x"], "give it or --target, not both"),
+])
+def test_bad_flags_are_one_error_line(capsys, argv, message):
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(textdata.path(textdata.CHAT_PROMPTS).read_text().splitlines()[0] + "\n")
+    assert cli.main(["bench", "tree-simulation", "--prompts", str(prompts), "--max-new-tokens", "12",
+                     "--budgets", "1,8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 1 and [row["budget"] for row in result["rows"]] == [1, 8]
+    assert result["rows"][0]["tokens_per_pass"] == 1.0 < result["rows"][1]["tokens_per_pass"]
+    (tmp_path / "simulation.json").write_text(json.dumps(result))
+    curve = load_acceptance_curve(tmp_path / "simulation.json")
+    assert curve.points == [(row["budget"], row["tokens_per_pass"]) for row in result["rows"]]
