@@ -1,0 +1,137 @@
+"""GGUF 4- and 8-bit matrices multiplied as they are stored, on the CPU, by torch's int4 kernel.
+
+torch's `_weight_int4pack_mm_for_cpu` computes x @ W^T for W [N, K] held as uint4 codes q in groups of 32
+along K with one scale and one zero per group: w = (q - 8) * scale + zero. On x86 (AVX512, AVX2) its
+vectorized loop takes bf16 activations, scales and zeros, dequantizes each group of 32 in fp32 registers,
+accumulates in fp32 over k in order and rounds the result to bf16; other dtypes fall to a scalar loop
+25-40x slower. Each output row is computed alone (the same fp32 operations whatever the number of rows M
+and the row's place among them), so a tree pass multiplies each row exactly as a one-token pass does.
+
+GGUF blocks map onto it with group 32, exactly before the bf16 rounding of scales and zeros:
+
+    Q4_0  w = d * (q - 8)                 scale d,          zero 0
+    Q4_1  w = d * q + m                   scale d,          zero m + 8d
+    Q4_K  w = (d sc_j) q - (dmin m_j)     scale d sc_j,     zero 8 d sc_j - dmin m_j    per sub-block j of 32
+    Q8_0  w = d * q, q int8 = 16 hi + lo: two products over K, summed in one by doubling K (x' = [x, x]):
+          hi = (q >> 4) + 8 with scale 16d, zero 0; lo = q & 15 with scale d, zero 8d
+
+Error against decode-then-fp32 (tests/test_packed_linear.py states the bound it checks): activations,
+scales and zeros rounded to bf16 (relative 2^-8 each: bf16 keeps 8 significant bits) and the output rounded
+to bf16 (relative 2^-8).
+
+The packed code layout is the running CPU's (AVX512 interleaves 64 rows, AVX2 32): it is made here, at load
+for resident layers and per pass for streamed ones, and never stored."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from offload.weights.gguf_blocks import _half, _nibbles, _scale_min_k4, _two_halves, packed_nbytes
+from offload.weights.ggml_types import QUANT_SIZES, GGMLType as T
+
+GROUP = 32
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0)
+REPACK_ROWS = 4096           # rows repacked at once: torch's converter takes int32 codes (4 bytes a weight)
+ROW_MULTIPLE = 16            # the kernel's N must be a multiple of 16
+
+
+def takes(qtype: int, shape: tuple[int, ...]) -> bool:
+    """Whether a GGUF tensor of this type and (torch-order) shape multiplies packed."""
+    return len(shape) == 2 and int(qtype) in [int(t) for t in KERNEL_TYPES] and shape[0] % ROW_MULTIPLE == 0
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """A [N, K] weight in torch's CPU int4 layout; `linear` (offload/model/layers.py) calls its matmul."""
+    codes: Tensor            # [N, K * repeat / 2] uint8, the running CPU's packed layout
+    scale_zeros: Tensor      # [K * repeat / 32, N, 2] bf16
+    shape: tuple[int, int]   # (N, K), the logical weight's
+    repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [..., K] -> x @ W^T [..., N] in x's dtype (computed from bf16 x, rounded to bf16)."""
+        num_out, num_in = self.shape
+        rows = x.reshape(-1, num_in).to(torch.bfloat16)                          # [M, K]
+        if self.repeat == 2:
+            rows = torch.cat([rows, rows], dim=1)                                # [M, 2K]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.codes, GROUP, self.scale_zeros)
+        return out.to(x.dtype).view(*x.shape[:-1], num_out)                    # [..., N]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+
+def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
+    """Bytes an Int4Weight of this GGUF tensor holds: half a byte and 1/8 byte of scale and zero per code."""
+    codes = shape[0] * shape[1] * (2 if int(qtype) == int(T.Q8_0) else 1)
+    return codes // 2 + codes // GROUP * 4
+
+
+def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
+    """A GGUF matrix's raw blocks (uint8 [packed_nbytes], rows in torch order) -> its Int4Weight."""
+    qtype = T(qtype)
+    if not takes(qtype, shape):
+        raise ValueError(f"{qtype.name} {tuple(shape)} cannot multiply packed: the int4 kernel takes "
+                         f"{', '.join(t.name for t in KERNEL_TYPES)} matrices of a multiple of {ROW_MULTIPLE} rows")
+    num_out, num_in = shape
+    if raw.numel() != packed_nbytes(qtype, shape):
+        raise ValueError(f"{qtype.name} {tuple(shape)} needs {packed_nbytes(qtype, shape)} bytes, got {raw.numel()}")
+    if raw.data_ptr() % 4 != 0 or not raw.is_contiguous():
+        raw = raw.clone(memory_format=torch.contiguous_format)                  # int32 views need 4-byte alignment
+    repeat = 2 if qtype == T.Q8_0 else 1
+    width = num_in * repeat
+    codes = torch.empty(num_out, width // 2, dtype=torch.uint8)
+    scale_zeros = torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16)
+    row_bytes = raw.numel() // num_out
+    block_bytes = QUANT_SIZES[qtype][1]
+    for start in range(0, num_out, REPACK_ROWS):           # a multiple of 64 rows: the layout's row blocks stay whole
+        stop = min(num_out, start + REPACK_ROWS)
+        blocks = raw[start * row_bytes:stop * row_bytes].view(-1, block_bytes)    # [rows * blocks per row, bytes]
+        quants, scale, zero = _GROUPS[qtype](blocks)                              # [n, g, 32] uint8, [n, g] f32 x2
+        quants = quants.view(stop - start, -1, GROUP)
+        if repeat == 2:   # each block's high nibbles, then its low ones: the hi products over K, then the lo ones
+            quants = quants.view(stop - start, -1, 2, GROUP).transpose(1, 2)
+        codes[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            quants.reshape(stop - start, width).to(torch.int32), 1)
+        scale_zeros[:, start:stop, 0] = _by_group(scale, stop - start, repeat).t()
+        scale_zeros[:, start:stop, 1] = _by_group(zero, stop - start, repeat).t()
+    return Int4Weight(codes, scale_zeros, (num_out, num_in), repeat)
+
+
+def _by_group(values: Tensor, num_rows: int, repeat: int) -> Tensor:
+    """[n blocks, groups per block] -> [rows, width / 32] in the codes' group order."""
+    values = values.view(num_rows, -1, repeat, values.shape[-1] // repeat)
+    return values.transpose(1, 2).reshape(num_rows, -1)
+
+
+# Each maps blocks [n, block bytes] -> (codes [n, groups, 32] uint8 in 0..15, scale [n, groups], zero [n, groups]
+# float32) with w = (code - 8) * scale + zero equal to gguf_blocks' decoding of the block (before bf16 rounding).
+def _q4_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d = _half(blocks, 0)                                                          # [n, 1]
+    return _nibbles(blocks[:, 2:], 1).view(-1, 1, GROUP), d, torch.zeros_like(d)
+
+
+def _q4_1(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d, m = _two_halves(blocks).unbind(1)                                          # [n] each
+    return _nibbles(blocks[:, 4:], 1).view(-1, 1, GROUP), d[:, None], (m + 8 * d)[:, None]
+
+
+def _q4_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d_dmin = _two_halves(blocks).unsqueeze(-1)                                   # [n, 2, 1]
+    scale, shift = (d_dmin * _scale_min_k4(blocks[:, 4:16]).float()).unbind(1)    # [n, 8] each
+    return _nibbles(blocks[:, 16:], 4).view(-1, 8, GROUP), scale, 8 * scale - shift
+
+
+def _q8_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    q = blocks[:, 2:].view(torch.int8)                                            # [n, 32]
+    high = (q >> 4).add_(8).view(torch.uint8)                                     # arithmetic shift: -8..7 -> 0..15
+    low = q.view(torch.uint8) & 0x0F
+    d = _half(blocks, 0)                                                          # [n, 1]
+    return (torch.stack([high, low], dim=1), torch.cat([16 * d, d], dim=1),
+            torch.cat([torch.zeros_like(d), 8 * d], dim=1))
+
+
+_GROUPS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q8_0: _q8_0}
