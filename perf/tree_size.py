@@ -134,17 +134,6 @@ class BudgetChooser:
             self._passes.add(tree_size, max(target_seconds, 0.0), self._step)
         self._step += 1
 
-    def choose(self) -> int:
-        """The grid budget with the highest expected rate (the smaller on ties); the prior until a
-        tree of >= 2 tokens has been observed."""
-        stale = self._last_tree_step < 0 or self._step - self._last_tree_step > self.window
-        if len(self.grid) < 2 or stale:
-            self.last_choice = self.prior_budget()       # nothing seen yet, or an exploration step
-            return self.last_choice
-        best = max(self.estimates(), key=lambda e: (e["rate"], -e["budget"]))
-        self.last_choice = best["budget"]
-        return self.last_choice
-
     def prior_budget(self, num_sequences: int = 1, max_pass_tokens: int | None = None) -> int:
         """The largest grid budget b whose pass over num_sequences trees of b tokens costs
         <= prior_time_factor * t(num_sequences), at least 2 (where the pass holds it)."""

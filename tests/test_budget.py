@@ -38,7 +38,7 @@ def simulate(chooser: BudgetChooser, gain: float, num_steps: int = NUM_STEPS, se
     """choose -> draw the path a tree of that size accepts -> observe; returns the chosen budgets."""
     rng, chosen = random.Random(seed), []
     for _ in range(num_steps):
-        budget = chooser.choose()
+        budget = chooser.split(1, chooser.max_budget)
         chooser.observe(budget, draw_path_ranks(rng, budget, gain), DRAFT_PER_TOKEN * (budget - 1),
                         0.002 + 1e-7 * budget)
         chosen.append(budget)
@@ -72,7 +72,7 @@ def test_flat_curve_explores_up_from_small_observed_trees():
     chooser, rng = BudgetChooser(FLAT, 4096), random.Random(1)
     for _ in range(5):                                         # e.g. the context window forced small trees
         chooser.observe(4, draw_path_ranks(rng, 4, GAIN), DRAFT_PER_TOKEN * 3, 0.002)
-    assert chooser.choose() >= 1024                            # extrapolated gain makes a big tree pay
+    assert chooser.split(1, chooser.max_budget) >= 1024                            # extrapolated gain makes a big tree pay
     assert all(b >= 1024 for b in simulate(chooser, GAIN)[-100:])
 
 
@@ -98,7 +98,7 @@ def test_useless_draft_falls_back_to_budget_one_exploring_rarely(curve: PassTime
 def test_a_draft_that_turns_useful_is_noticed_after_budget_one():
     chooser = BudgetChooser(STEEP, 4096)
     simulate(chooser, gain=0.0, num_steps=50)
-    assert chooser.choose() == 1 or chooser.last_choice > 1
+    assert chooser.split(1, chooser.max_budget) == 1 or chooser.last_choice > 1
     later = simulate(chooser, GAIN, num_steps=100, seed=3)
     assert all(1 < b <= 64 for b in later[-50:])
 
@@ -108,7 +108,7 @@ def test_observed_pass_times_replace_a_disturbed_probe():
     chooser, rng = BudgetChooser(disturbed, 64), random.Random(0)
     assert chooser.pass_seconds(16) == pytest.approx(0.45)
     for _ in range(40):
-        budget = chooser.choose()
+        budget = chooser.split(1, chooser.max_budget)
         seconds = STEEP.seconds(budget)                      # what passes really take
         chooser.observe(budget, draw_path_ranks(rng, budget, GAIN), DRAFT_PER_TOKEN * (budget - 1), 0.002, seconds)
     assert chooser.pass_seconds(chooser.last_choice) == pytest.approx(STEEP.seconds(chooser.last_choice), rel=1e-6)
@@ -135,13 +135,13 @@ def test_estimates_price_draft_and_overhead():
     assert rows[32]["draft_seconds"] == pytest.approx(0.031)   # 1 ms per tree token beyond the root
     assert rows[64]["overhead_seconds"] == pytest.approx(0.004)
     assert rows[16]["rate"] == pytest.approx((2 + 1) / (0.125 + 0.015 + 0.004))
-    assert chooser.choose() == chooser.last_choice
+    assert chooser.split(1, chooser.max_budget) == chooser.last_choice
 
 
 def test_prior_and_validation():
     assert BudgetChooser(STEEP, 4096).prior_budget() == 16
     assert BudgetChooser(PassTimeCurve([(1, 1.0), (2, 5.0)]), 4096).prior_budget() == 2
-    assert BudgetChooser(FLAT, 1).choose() == 1
+    assert BudgetChooser(FLAT, 1).split(1, 1) == 1
     assert budget_grid(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     with pytest.raises(ValueError, match=r"\[1, 4\)"):
         BudgetChooser(FLAT, 64).observe(4, [1, 4], 0.0, 0.0)
