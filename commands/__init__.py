@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, distill, generate, judge, plan, quant
+from . import bench, distill, generate, judge, plan, quant, serve
 
-FAMILIES = (generate, plan, distill, quant, judge, bench)
+FAMILIES = (generate, serve, plan, distill, quant, judge, bench)
 COMMANDS = {name: handler for family in FAMILIES for name, handler in family.COMMANDS.items()}
 
 

@@ -64,22 +64,61 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="allow downloading a Hub model that is not in the local cache (default: off)")
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                       help=f"tokens to generate at most (default: {DEFAULT_MAX_NEW_TOKENS})")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding (default: 0)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default: 0 = off)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top prob (default: 0 = off)")
+MODEL_DEFAULTS_HELP = ("a setting not given is the model's own (a GGUF's general.sampling.* metadata, else its "
+                       "generation_config.json), else specstream's default; --temperature 0 is plain greedy decoding "
+                       "(the model's and specstream's settings then do not apply)")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, model_defaults: bool = False,
+                       max_new_tokens_help: str = "tokens to generate at most",
+                       max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> None:
+    """Sampling flags; with model_defaults (chat, serve) a flag not given is None: the model's stated setting
+    or specstream's default applies (runtime/sampling_defaults.py)."""
+    from runtime.sampling_defaults import SPECSTREAM_DEFAULTS as ours
+    group = parser.add_argument_group("sampling", MODEL_DEFAULTS_HELP if model_defaults else None)
+
+    def add(flag: str, kind, name: str, greedy: float, help: str, off: str = "off") -> None:
+        if model_defaults:
+            default, note = None, f"(default: the model's, else {f'{ours[name]:g}' if name in ours else off})"
+        else:
+            default, note = greedy, f"(default: {greedy:g} = {off})"
+        group.add_argument(flag, type=kind, default=default, help=f"{help} {note}")
+
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                       help=f"{max_new_tokens_help} (default: {max_new_tokens})")
+    add("--temperature", float, "temperature", 0.0, "0 = greedy decoding", off="greedy")
+    add("--top-p", float, "top_p", 1.0, "nucleus sampling mass")
+    add("--top-k", int, "top_k", 0, "sample among the k most likely")
+    add("--min-p", float, "min_p", 0.0, "drop tokens below min-p x top prob")
     group.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    group.add_argument("--repetition-penalty", type=float, default=1.0,
-                       help="divide the logits of tokens already in the context by this (> 1 discourages "
-                            "repeats; speculation stays exact) (default: 1.0 = off)")
-    group.add_argument("--presence-penalty", type=float, default=0.0,
-                       help="OpenAI's: subtract this from the logit of every token already in the answer "
-                            "(default: 0 = off)")
-    group.add_argument("--frequency-penalty", type=float, default=0.0,
-                       help="OpenAI's: subtract this times the token's count in the answer (default: 0 = off)")
+    add("--repetition-penalty", float, "repetition_penalty", 1.0,
+        "divide the logits of tokens already in the context by this (> 1 discourages repeats; speculation stays "
+        "exact)")
+    add("--presence-penalty", float, "presence_penalty", 0.0,
+        "OpenAI's: subtract this from the logit of every token already in the answer")
+    add("--frequency-penalty", float, "frequency_penalty", 0.0,
+        "OpenAI's: subtract this times the token's count in the answer")
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="end the answer before this text (repeatable; default: none)")
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+
+
+def explicit_sampling(args) -> dict:
+    """The sampling flags as given (None: not given, under model defaults)."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS}
+
+
+def batch_size(text: str) -> int | None:
+    """--batch-size: 'auto' (None) or a positive integer."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {text!r}")
+    return value

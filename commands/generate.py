@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from .flags import add_model_flags, add_sampling_flags
+from .flags import add_model_flags, add_sampling_flags, batch_size, explicit_sampling
 
 EXIT_SKIPPED = 3
 
@@ -21,25 +21,12 @@ def add_parsers(commands) -> None:
     batch = commands.add_parser("batch", help="answer every line of a JSONL file, resumable")
     batch.add_argument("input", type=Path, help='JSONL lines {"id", "prompt"} or OpenAI batch lines')
     batch.add_argument("-o", "--output", type=Path, required=True, help="OpenAI batch-output JSONL (appended)")
-    batch.add_argument("--batch-size", default="auto", type=_batch_size,
+    batch.add_argument("--batch-size", default="auto", type=batch_size,
                        help="sequences decoded together, sharing every streamed layer: N, or auto: the most whose "
                             "KV cache the plan fits (default: auto)")
     for sub in (run, chat, batch):
         add_model_flags(sub)
-        add_sampling_flags(sub)
-
-
-def _batch_size(text: str) -> int | None:
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        import argparse
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {text!r}")
-    return value
+        add_sampling_flags(sub, model_defaults=sub is chat)
 
 
 def _sampling(args):
@@ -47,11 +34,28 @@ def _sampling(args):
     from spec import SamplingConfig
     if args.stop:
         check_stop_strings(args.stop)
-    return SamplingConfig(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.repetition_penalty,
-                          args.presence_penalty, args.frequency_penalty)
+    return SamplingConfig(**explicit_sampling(args))
 
 
-def _session(args, console, **batch):
+def check_sampling_flags(args) -> None:
+    """chat and serve: bad sampling flags are refused before the model loads."""
+    from runtime.sampling_defaults import SamplingDefaults
+    from runtime.stop import check_stop_strings
+    SamplingDefaults({}).resolve(explicit_sampling(args))
+    if args.stop:
+        check_stop_strings(args.stop)
+
+
+def model_sampling(args, session, console):
+    """chat and serve: the flags given over the model's stated sampling over specstream's defaults, and one
+    status line saying what is in force -> (the defaults, the flags given)."""
+    from runtime.sampling_defaults import model_sampling_defaults
+    defaults, explicit = model_sampling_defaults(session.target.path), explicit_sampling(args)
+    console.print(f"[dim]{defaults.describe(explicit)}[/dim]", highlight=False, soft_wrap=True)
+    return defaults, explicit
+
+
+def open_session(args, console, **batch):
     from runtime import RuntimeConfig, Session
     from offload.planner import parse_bytes
     from perf.tree_size import parse_budget
@@ -125,7 +129,7 @@ def cmd_run(args, console) -> int:
         if not args.prompt.strip():
             raise ValueError("run -: no prompt on stdin")
     sampling = _sampling(args)
-    with _session(args, console) as session:      # joins the loader threads on success, error and Ctrl-C
+    with open_session(args, console) as session:      # joins the loader threads on success, error and Ctrl-C
         return _answer(args, session, sampling, console)
 
 
@@ -155,9 +159,10 @@ def _footer(report: dict) -> str:
 
 
 def cmd_chat(args, console) -> int:
-    sampling = _sampling(args)
-    with _session(args, console) as session:
-        return _chat(args, session, sampling, console)
+    check_sampling_flags(args)
+    with open_session(args, console) as session:
+        defaults, explicit = model_sampling(args, session, console)
+        return _chat(args, session, defaults.resolve(explicit), console)
 
 
 def _chat(args, session, sampling, console) -> int:
@@ -215,7 +220,7 @@ def cmd_batch(args, console) -> int:
     if not args.input.is_file():
         raise FileNotFoundError(f"batch input not found: {args.input}")
     sampling = _sampling(args)
-    with _session(args, console, batch_size=args.batch_size, max_batch=_count_lines(args.input)) as session:
+    with open_session(args, console, batch_size=args.batch_size, max_batch=_count_lines(args.input)) as session:
         return _batch(args, session, sampling, console)
 
 

@@ -47,8 +47,8 @@ class Chat:
 
 
 def test_chat_commands_and_footer():
-    chat = Chat("--max-new-tokens", "16")
-    chat.wait_for("you>")
+    chat = Chat("--max-new-tokens", "16", "--temperature", "0")
+    assert "sampling: greedy (temperature 0)" in chat.wait_for("you>")
     chat.send("What is 2+2?")
     out = chat.wait_for("tok/s")
     assert "The answer to this classic math problem is 4." in out
@@ -63,8 +63,9 @@ def test_chat_commands_and_footer():
 
 
 def test_ctrl_c_stops_the_answer_but_not_the_session():
-    chat = Chat("--max-new-tokens", "400")
-    chat.wait_for("you>")
+    chat = Chat("--max-new-tokens", "400")      # samples, as the model states or specstream's defaults say
+    started = chat.wait_for("you>")
+    assert "sampling: temperature 0.7, top-p 0.95, min-p 0.05, repetition penalty 1.1" in started
     chat.send("Write a very long story about a dragon, with many chapters.")
     before = len(chat.seen)
     deadline = time.time() + 120
