@@ -31,7 +31,7 @@ def specstream(installed: Path, *args: str, stdin: str | None = None, timeout: i
 
 
 def test_installed_modules_come_from_the_install_not_the_checkout(installed):
-    probe = ("import cli, offload, runtime, spec, commands.bench, bench.stream_bench, textdata;"
+    probe = ("import cli, offload, runtime, spec, server, commands.bench, bench.stream_bench, textdata;"
              "print(cli.__file__); print(offload.__file__)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=installed.parent,
                           env={**os.environ, "PYTHONPATH": str(installed)})
@@ -53,6 +53,6 @@ def test_installed_run_plan_bench_and_chat(installed):
                        "--json")
     assert bench.returncode == 0, bench.stderr
     assert json.loads(bench.stdout.strip().splitlines()[-1])["passes"][0]["tokens"] == 1
-    chat = specstream(installed, "chat", "--max-new-tokens", "8", stdin="What is 2+2?\n/quit\n")
+    chat = specstream(installed, "chat", "--max-new-tokens", "8", "--temperature", "0", stdin="What is 2+2?\n/quit\n")
     assert chat.returncode == 0, chat.stderr
     assert "The answer to this" in chat.stdout
