@@ -24,6 +24,9 @@ from offload.weights.formats import WeightFormat, open_source
 from offload.weights.source import WeightSource
 
 
+CPU_KERNELS = ("dense", "packed")
+
+
 @dataclass(slots=True)
 class LoadOptions:
     model: str | None = None        # None: the embedded default model
@@ -47,9 +50,14 @@ class LoadOptions:
     formats: tuple[WeightFormat, ...] = ()   # packed formats beyond plain checkpoints (runtime.weight_formats)
     gguf_import: bool = False       # a GGUF is dequantized once to a safetensors folder rather than run in place
     direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
+    # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: "packed" multiplies them as stored with torch's int4
+    # kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
+    cpu_kernel: str = "dense"
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ValueError(f"cpu kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}")
         if self.ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {self.ring_size}")
 
@@ -90,6 +98,8 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
         on_status(source.describe())          # a user's file: say how it runs (the embedded model needs no line)
     tokenizer = Tokenizer(path)
     engine = build_engine(source, options)
+    if on_status and engine.on_kernel and not is_default_model(options.model):
+        on_status(source.kernel_summary())
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
                        stop_token_ids(path, config, tokenizer), engine.global_bytes, source)
 
@@ -129,6 +139,11 @@ class Engine:
     layers: StreamingLayers
     plan: Plan
     global_bytes: int
+    on_kernel: bool = False         # a GGUF's matrices multiply packed (the CPU's int4 kernel)
+
+
+def on_packed_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
+    return device.type == "cpu" and options.cpu_kernel == "packed" and hasattr(source, "kernel_layer")
 
 
 # One packed layer's decode time over its transfer time, by device (is CUDA), for the planner's choice of
@@ -148,10 +163,16 @@ def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     dtype = choose_dtype(options.dtype, device)
     globals_ = to_device(source.global_tensors(), device, dtype)
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
+    on_kernel = on_packed_kernel(source, options, device)
+    head = source.kernel_head() if on_kernel else None
+    if head is not None:         # replaces a dense lm_head; a tied embedding stays dense for its row lookups
+        replaced = globals_.get("lm_head")
+        global_bytes += head.nbytes - (replaced.nbytes if replaced is not None else 0)
+        globals_["lm_head"] = head
     layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
-    return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes)
+    return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes, on_kernel)
 
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,
@@ -159,6 +180,8 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
     # a source that decodes resident layers once (GGUF) keeps them dense, and decodes each streamed one just
     # before its use into one dense workspace, or with a decoder thread ahead into a dense layer per ring slot
     dense_bytes = source.dense_layer_bytes(dtype) if hasattr(source, "dense_layer") else 0
+    if on_packed_kernel(source, options, device):   # matrices repacked, not decoded: the kernel's bytes
+        dense_bytes = source.kernel_layer_bytes(dtype)
     ahead = options.decode_ahead
     return PlanRequest(
         decode_vs_transfer=DECODE_VS_TRANSFER[device.type == "cuda"],
@@ -175,8 +198,13 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
 def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device: torch.device,
                   dtype: torch.dtype, options: LoadOptions) -> StreamingLayers:
     tier_of = plan.tier_of
-    # resident layers decoded at load, not at every use, unless the plan keeps them packed
+    # resident layers decoded (or repacked for the CPU's kernel) at load, not at every use, unless the plan keeps
+    # them packed
     decode_once = None if plan.request.resident_packed else getattr(source, "dense_layer", None)
+    on_kernel = on_packed_kernel(source, options, device)
+    if on_kernel:
+        def decode_once(index: int, device: torch.device, dtype: torch.dtype) -> dict:
+            return source.kernel_layer(index, None, dtype)
     resident = {i: decode_once(i, device, dtype) if decode_once else to_device(source.layer(i), device, dtype)
                 for i, t in enumerate(tier_of) if t == "device"}
     ram_layers = [i for i, t in enumerate(tier_of) if t == "ram"]
@@ -184,26 +212,31 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     if ram_layers:
         ram = RamTier(source, layout, ram_layers, pin=device.type == "cuda",
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
-    # O_DIRECT reads (offload/disk_reads.py): a layer read whole into a host buffer, used there by a CPU
-    # (its tensors 16-byte aligned) or copied tensor by tensor from pinned memory to a GPU's ring slot
+    # O_DIRECT reads (offload/disk_reads.py): a layer read whole into a host buffer, used there by a CPU (its
+    # tensors 8-byte aligned, as safetensors and GGUF align them: a view of any dtype) or copied tensor by tensor
+    # from pinned memory to a GPU's ring slot
     disk = None
     if "disk" in tier_of:
-        disk = DiskTier(source, layout, direct=options.direct_reads, span_align=16 if device.type == "cpu" else 1)
+        disk = DiskTier(source, layout, direct=options.direct_reads, span_align=8 if device.type == "cpu" else 1)
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
-                           decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead),
+                           decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead,
+                                           on_kernel),
                            decode_ahead=options.decode_ahead)
 
 
-def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool, ahead: bool):
+def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool, ahead: bool,
+             on_kernel: bool = False):
     """The ring's decode: resident layers decoded once as they are; a layer decoded just before its use (a
     resident packed one, always on the compute thread, or a streamed one) into the one workspace they all
     share, which stays in cache between layers (the compute releases a layer before the next is decoded; on
     CUDA both run in order on the compute stream); a streamed layer that a decoder thread decodes ahead into
-    its ring slot's own workspace."""
+    its ring slot's own workspace. On the CPU's kernel a streamed layer's matrices are repacked instead."""
+    decode_layer = source.kernel_layer if on_kernel else source.decode_layer
+
     def decode(index: int, stored: dict) -> dict:
         if tier_of[index] == "device":
-            return stored if resident_decoded else source.decode_layer(index, stored, dtype, shared=True)
-        return source.decode_layer(index, stored, dtype, shared=not ahead)
+            return stored if resident_decoded else decode_layer(index, stored, dtype, shared=True)
+        return decode_layer(index, stored, dtype, shared=not ahead)
     return decode
 
 

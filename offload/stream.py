@@ -113,7 +113,7 @@ class StreamingLayers:
     @property
     def device_bytes(self) -> int:
         ring = len(self.slots) * self.layout.num_bytes if self.streamed else 0
-        resident = sum(t.numel() * t.element_size() for layer in self.resident.values() for t in layer.values())
+        resident = sum(t.nbytes for layer in self.resident.values() for t in layer.values())   # tensors, packed weights
         return ring + resident
 
     # LayerProvider -------------------------------------------------------------------------------
@@ -206,7 +206,8 @@ class StreamingLayers:
                 slot = self.slots[load_count % len(self.slots)]
                 if not self._claim(slot, "free", None, layer, "loading"):
                     return
-                if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
+                # O_DIRECT reads bypass the page cache: only buffered reads need it emptied to stay cold
+                if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk and not self.disk.is_direct:
                     self.disk.drop_page_cache()
                 self._load(layer, slot)
                 with self._cond:

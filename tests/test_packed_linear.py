@@ -105,7 +105,7 @@ def test_an_unaligned_view_of_the_blocks_is_read_as_its_bytes():
 def test_kernel_bytes_counts_what_the_weight_holds():
     for qtype in packed_linear.KERNEL_TYPES:
         shape = (64, 512)
-        assert packed_linear.from_gguf(_raw(qtype, shape), qtype, shape).num_bytes == packed_linear.kernel_bytes(
+        assert packed_linear.from_gguf(_raw(qtype, shape), qtype, shape).nbytes == packed_linear.kernel_bytes(
             qtype, shape)
 
 

@@ -45,6 +45,12 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
     gqa = config.num_heads != config.num_kv_heads
+    # Products by a row-exact kernel (packed_linear: each row's bits whatever the rows beside it) attend in
+    # float64 rounded back: a row's softmax and weighted sum then do not depend on the key count, order or
+    # blocking (a one-token pass and a tree pass sum differently), so a tree row gets a one-token pass's bits.
+    exact = getattr(w["q"], "is_row_exact", False)
+    if exact:
+        q, keys, values = q.double(), keys.double(), values.double()
     segments = cache.segments() if hasattr(cache, "segments") else None   # a slot cache's per-sequence blocks
     if segments is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
@@ -52,6 +58,8 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
         out = torch.cat([F.scaled_dot_product_attention(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1],
                                                         attn_mask=mask[..., q0:q1, k0:k1], enable_gqa=gqa)
                          for q0, q1, k0, k1 in segments], dim=2)                # [B, H, N, D]
+    if exact:
+        out = out.to(h.dtype)
     return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
 
 

@@ -29,6 +29,7 @@ from offload.weights.gguf_header import CorruptGgufError, GgufTensorInfo, read_h
 from offload.weights.gguf_model import check_model_metadata
 from offload.weights.gguf_names import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, PERMUTED_LAYER_NAMES,
                                         SUPPORTED_GGUF_ARCHITECTURES)
+from offload.weights import packed_linear
 from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.weights.safetensors_io import TensorEntry
 from offload.weights.source import layer_tensor_names
@@ -134,13 +135,17 @@ class GgufSource:
         the one workspace on its device that every layer decoded just before its use shares (valid until the
         next such decode); else into the workspace of the ring slot holding `stored` (valid until the slot
         holds its next layer, which the ring never loads before this one is released)."""
+        return self._decode(index, stored, self._workspace(stored, dtype, shared, tuple(self._layers[index])))
+
+    def _workspace(self, stored: dict[str, Tensor], dtype: torch.dtype, shared: bool,
+                   names: tuple[str, ...]) -> dict[str, Tensor]:
         first = next(iter(stored.values()))
         # a ring slot's workspace is keyed by the slot's buffer (its storage), wherever in it the layer lies
         key = ("shared", first.device, dtype) if shared else (first.untyped_storage().data_ptr(), dtype)
-        workspace = self._workspaces.get(key)
+        workspace = self._workspaces.get(key + names)
         if workspace is None:
-            workspace = self._workspaces[key] = self._empty_layer(first.device, dtype)
-        return self._decode(index, stored, workspace)
+            workspace = self._workspaces[key + names] = self._empty_layer(first.device, dtype, names)
+        return workspace
 
     def file_paths(self) -> list[Path]:
         return [self.path]
@@ -149,20 +154,25 @@ class GgufSource:
     def dense_layer(self, index: int, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
         """A layer decoded into fresh tensors on `device` (resident layers, quantization)."""
         raw = {name: t.to(device) for name, t in self.layer(index).items()}
-        return self._decode(index, raw, self._empty_layer(device, dtype))
+        return self._decode(index, raw, self._empty_layer(device, dtype, tuple(self._layers[index])))
 
     def dense_layer_bytes(self, dtype: torch.dtype) -> int:
         """One layer decoded in `dtype`: a resident layer's bytes, and a ring slot's workspace."""
         return sum(math.prod(info.shape) for info in self._layers[0].values()) * dtype.itemsize
 
-    def _empty_layer(self, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
-        return {name: torch.empty(info.shape, dtype=dtype, device=device) for name, info in self._layers[0].items()}
+    def _empty_layer(self, device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> dict[str, Tensor]:
+        return {name: torch.empty(self._layers[0][name].shape, dtype=dtype, device=device) for name in names}
+
+    def _rows(self, name: str, info: GgufTensorInfo, stored: Tensor) -> Tensor:
+        """A matrix's raw blocks with its rows in the loader's order."""
+        raw, heads = stored[:info.num_bytes], self._num_heads(name)
+        return unpermute_rows(raw, info.shape[0], heads) if heads and len(info.shape) == 2 else raw
 
     def _decode(self, index: int, stored: dict[str, Tensor], out: dict[str, Tensor]) -> dict[str, Tensor]:
-        for name, info in self._layers[index].items():
-            raw, heads = stored[name][:info.num_bytes], self._num_heads(name)
-            if heads and len(info.shape) == 2:
-                raw = unpermute_rows(raw, info.shape[0], heads)
+        """Decodes the tensors `out` names into it."""
+        for name in out:
+            info, heads = self._layers[index][name], self._num_heads(name)
+            raw = self._rows(name, info, stored[name])
             dequantize(raw, info.qtype, info.shape, out[name].dtype, out=out[name])
             if heads and len(info.shape) == 1:
                 out[name].copy_(unpermute_rows(out[name].clone(), info.shape[0], heads))
@@ -180,6 +190,49 @@ class GgufSource:
     def packed_bytes(self) -> int:
         """Bytes of all decoder layers as stored (what one pass streams when every layer streams)."""
         return sum(info.num_bytes for layer in self._layers for info in layer.values())
+
+    # the CPU's int4 kernel (packed_linear) -------------------------------------------------------------
+    def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
+                     shared: bool = False) -> dict:
+        """A layer for the CPU: the matrices the int4 kernel takes repacked from their blocks (Int4Weight, made
+        anew: no dense copy), the rest decoded as decode_layer does. stored None: read from the file, the rest
+        decoded into fresh tensors (a resident layer)."""
+        infos = self._layers[index]
+        kernel = tuple(name for name, info in infos.items() if packed_linear.takes(info.qtype, info.shape))
+        rest = tuple(name for name in infos if name not in kernel)
+        if stored is None:
+            stored, out = self.layer(index), self._empty_layer(torch.device("cpu"), dtype, rest)
+        else:
+            out = self._workspace(stored, dtype, shared, rest)
+        layer = self._decode(index, stored, out)
+        for name in kernel:
+            info = infos[name]
+            layer[name] = packed_linear.from_gguf(self._rows(name, info, stored[name]), info.qtype, info.shape)
+        return layer
+
+    def kernel_head(self) -> packed_linear.Int4Head | None:
+        """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""
+        info = self._globals.get("lm_head", self._globals["embed"])
+        if not packed_linear.takes(info.qtype, info.shape):
+            return None
+        raw = self._raw(info)
+        return packed_linear.Int4Head(packed_linear.from_gguf(raw, info.qtype, info.shape),
+                                      raw.view(info.shape[0], -1), info.qtype)
+
+    def kernel_layer_bytes(self, dtype: torch.dtype) -> int:
+        """The most bytes a layer holds for the CPU's kernel (its other tensors decoded in `dtype`)."""
+        return max(sum(packed_linear.kernel_bytes(info.qtype, info.shape) if packed_linear.takes(info.qtype, info.shape)
+                       else math.prod(info.shape) * dtype.itemsize for info in layer.values()) for layer in self._layers)
+
+    def kernel_summary(self) -> str:
+        """The status line of a CPU run on the int4 kernel: which matrices it multiplies, which are decoded."""
+        head = self._globals.get("lm_head", self._globals["embed"])
+        matrices = [head] + [info for layer in self._layers for info in layer.values() if len(info.shape) == 2]
+        taken = Counter(info.type_name for info in matrices if packed_linear.takes(info.qtype, info.shape))
+        decoded = Counter(info.type_name for info in matrices if not packed_linear.takes(info.qtype, info.shape))
+        line = "CPU packed int4 kernel: " + (", ".join(f"{n} x{c}" for n, c in taken.most_common()) or "no matrix")
+        return line + ("; decoded to dense (the kernel takes not): " + ", ".join(
+            f"{n} x{c}" for n, c in decoded.most_common()) if decoded else "")
 
 
 class DenseGgufLayers:

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offload.weights.gguf_blocks import _half, _nibbles, _scale_min_k4, _two_halves, packed_nbytes
+from offload.weights.gguf_blocks import _half, _nibbles, _scale_min_k4, _two_halves, dequantize, packed_nbytes
 from offload.weights.ggml_types import QUANT_SIZES, GGMLType as T
 
 GROUP = 32
 KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0)
 REPACK_ROWS = 4096           # rows repacked at once: torch's converter takes int32 codes (4 bytes a weight)
 ROW_MULTIPLE = 16            # the kernel's N must be a multiple of 16
+HEAD_CHUNK = 4096            # output rows recomputed at once
 
 
 def takes(qtype: int, shape: tuple[int, ...]) -> bool:
@@ -49,6 +50,7 @@ class Int4Weight:
     scale_zeros: Tensor      # [K * repeat / 32, N, 2] bf16
     shape: tuple[int, int]   # (N, K), the logical weight's
     repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products)
+    is_row_exact = True      # a row's result never depends on the other rows (the layer attends to match)
 
     def matmul(self, x: Tensor) -> Tensor:
         """x [..., K] -> x @ W^T [..., N] in x's dtype (computed from bf16 x, rounded to bf16)."""
@@ -60,8 +62,38 @@ class Int4Weight:
         return out.to(x.dtype).view(*x.shape[:-1], num_out)                    # [..., N]
 
     @property
-    def num_bytes(self) -> int:
+    def nbytes(self) -> int:
         return self.codes.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+
+@dataclass(slots=True)
+class Int4Head:
+    """The output matrix: its product by the int4 kernel, then every logit within `margin` of its row's largest
+    recomputed from the matrix's decoded rows in float64 (rounded to fp32). Logits near 25 are 0.125 apart in
+    bf16, so the kernel's own result ties the top candidates often and argmax picks the lower id; the exact
+    recomputation keeps greedy choices and the likely tokens' scores those of the fp32 hidden state. Each row
+    recomputes its own candidates alone: a tree row's logits stay those of a one-token pass."""
+    weight: Int4Weight
+    raw: Tensor              # [N, row bytes] uint8, the matrix's GGUF blocks (a view of the mapped file)
+    qtype: int
+    margin: float = 2.0      # logits; the kernel's error on a logit near 25 is ~0.1-0.2
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [..., K] -> logits [..., N] float32."""
+        num_out, num_in = self.weight.shape
+        logits = self.weight.matmul(x).float()                                    # [..., N]
+        rows, flat = x.reshape(-1, num_in), logits.view(-1, num_out)               # [M, K], [M, N]
+        near = flat >= flat.max(dim=-1, keepdim=True).values - self.margin        # [M, N]
+        row_ids, token_ids = near.nonzero(as_tuple=True)                          # [C] each
+        for start in range(0, len(row_ids), HEAD_CHUNK):
+            r, t = row_ids[start:start + HEAD_CHUNK], token_ids[start:start + HEAD_CHUNK]
+            weights = dequantize(self.raw[t].reshape(-1), self.qtype, (len(t), num_in))     # [c, K] fp32
+            flat[r, t] = (weights.double() * rows[r].double()).sum(-1).float()
+        return logits
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
 
 
 def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:

@@ -1,0 +1,133 @@
+"""A GGUF run on the CPU's int4 kernel (LoadOptions.cpu_kernel = "packed", offload/weights/packed_linear.py):
+the matrices the kernel takes multiply packed in every tier and are never decoded, the others (Q6_K here) take
+today's decode; the logits stay near the dense fp32 reference; a tree pass gives every row the bits a one-token
+pass gives it, on the embedded default model, for trees of 1 to 1,024 nodes."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import offload.weights.gguf_source
+from offload import LoadOptions, load_model
+from offload.loader import build_engine, streaming_device_budget
+from offload.model.config import ModelConfig
+from offload.weights.formats import open_source
+from offload.weights.ggml_types import GGMLType
+from offload.weights.packed_linear import Int4Head, Int4Weight
+from offload.weights.resolve import resolve_model
+from offload.weights.safetensors_io import write_safetensors
+from offload.weights.source import CheckpointSource
+from spec.tree import Tree
+from test_gguf_import import reference_tensors
+from test_gguf_inplace import _options, write_tiny_gguf
+
+KERNEL_TYPES = {"Q4_K", "Q8_0"}     # of the tiny file's matrix types; its Q6_K ones are decoded
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def decoded_types(monkeypatch) -> list[str]:
+    """The GGML type of every tensor the GGUF source dequantizes from here on."""
+    seen, real = [], offload.weights.gguf_source.dequantize
+
+    def recording(raw, qtype, shape, *args, **kwargs):
+        seen.append(GGMLType(qtype).name)
+        return real(raw, qtype, shape, *args, **kwargs)
+    monkeypatch.setattr(offload.weights.gguf_source, "dequantize", recording)
+    return seen
+
+
+def _dense_reference(path, tmp_path):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "config.json").write_text((resolve_model(str(path)) / "config.json").read_text())
+    write_safetensors(reference / "model.safetensors", reference_tensors(path))
+    return build_engine(CheckpointSource(reference), _options(str(reference)))
+
+
+def test_every_tier_multiplies_packed_and_decodes_only_what_the_kernel_cannot_take(tiny, tmp_path, decoded_types):
+    dense = _dense_reference(tiny, tmp_path)
+    ids = torch.randint(0, dense.model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = dense.model.forward(ids, dense.model.new_cache(16)).logits
+    resident = load_model(_options(str(tiny), cpu_kernel="packed"))
+    folder = resolve_model(str(tiny))
+    layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
+    options = _options(str(tiny), ram=layer_bytes, cpu_kernel="packed")   # one layer in RAM, two on disk
+    streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
+    assert resident.plan.tier_of == ["device"] * 3 and streamed.plan.tier_of == ["ram", "disk", "disk"]
+    types = {(i, name): info.type_name for i, layer in enumerate(resident.source._layers) for name, info in layer.items()}
+    for (index, name), type_name in types.items():
+        weight = resident.layers.resident[index][name]
+        assert isinstance(weight, Int4Weight) == (type_name in KERNEL_TYPES), (index, name, type_name)
+    decoded_types.clear()
+    got = resident.model.forward(ids, resident.model.new_cache(16)).logits
+    for _ in range(2):      # streamed layers repacked pass after pass
+        assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, got)
+    assert set(decoded_types) == {"Q6_K", "F32"}            # the streamed layers' others; nothing the kernel takes
+    # the kernel rounds to bf16: on random weights the logits move by ~2% of their spread (rms), not more
+    assert float((got - expected).pow(2).mean().sqrt()) < 0.05 * float(expected.std())
+    assert not isinstance(resident.model.lm_head, Int4Head)   # the tiny file's lm_head is Q6_K
+    streamed.layers.close()
+
+
+def test_the_status_line_names_what_the_kernel_multiplies_and_what_it_decodes(tiny):
+    statuses = []
+    load_model(_options(str(tiny), cpu_kernel="packed"), on_status=statuses.append)
+    line = next(s for s in statuses if s.startswith("CPU packed int4 kernel"))
+    assert "Q4_K x" in line and "Q8_0 x" in line and line.split("decoded to dense")[1].count("Q6_K x") == 1
+
+
+def test_an_unknown_cpu_kernel_is_refused():
+    with pytest.raises(ValueError, match="cpu kernel must be one of dense, packed, got 'int3'"):
+        LoadOptions(cpu_kernel="int3")
+
+
+# the embedded default model: a tree pass against one-token passes, bit for bit ----------------------------
+def _random_tree(num_nodes: int, generator: torch.Generator, vocab: int) -> Tree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, num_nodes)]
+    depths = [0] * num_nodes
+    for i in range(1, num_nodes):
+        depths[i] = depths[parents[i]] + 1
+    return Tree(torch.randint(0, vocab, (num_nodes,), generator=generator), torch.tensor(parents),
+                torch.tensor(depths), torch.zeros(num_nodes))
+
+
+def _path(tree: Tree, node: int) -> list[int]:
+    nodes = [node]
+    while tree.parents[nodes[-1]] >= 0:
+        nodes.append(int(tree.parents[nodes[-1]]))
+    return nodes[::-1]
+
+
+@pytest.fixture(scope="module")
+def default_packed():
+    return load_model(LoadOptions(device="cpu", dtype="fp32", cpu_kernel="packed", max_context=2048,
+                                  max_pass_tokens=1024))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("num_nodes", [1, 2, 3, 17, 64, 255, 1024])
+def test_a_tree_pass_gives_each_row_the_bits_of_one_token_passes(default_packed, num_nodes):
+    model, generator = default_packed.model, torch.Generator().manual_seed(num_nodes)
+    prompt = default_packed.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
+    tree = _random_tree(num_nodes, generator, model.config.vocab_size)
+    cache = model.new_cache(len(prompt) + num_nodes + 1)
+    model.forward(torch.tensor([prompt]), cache, last_only=True)
+    cache.commit()
+    rows = model.forward(tree.tokens[None], cache, tree.positions(len(prompt)),
+                         tree.attention_mask(len(prompt), model.device)).logits[0]          # [N, V]
+    checked = sorted({0, num_nodes - 1, int(tree.depths.argmax()),
+                      *torch.randint(0, num_nodes, (12,), generator=generator).tolist()})
+    for node in checked:    # the node's path root -> node, one token per pass, as decoding would see it
+        cache.truncate(len(prompt))
+        for step in _path(tree, node):
+            logits = model.forward(tree.tokens[step:step + 1][None], cache).logits[0, -1]   # [V]
+            cache.commit()
+        assert torch.equal(logits.view(torch.int32), rows[node].view(torch.int32)), node
