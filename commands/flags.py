@@ -23,6 +23,14 @@ def add_gguf_import(parser) -> None:
                              "Q4_K_M file per streamed pass) instead of running its blocks in place (default: off)")
 
 
+def add_cpu_kernel(parser) -> None:
+    from offload.loader import CPU_KERNELS, DEFAULT_CPU_KERNEL
+    parser.add_argument("--cpu-kernel", default=DEFAULT_CPU_KERNEL, choices=CPU_KERNELS,
+                        help="on the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: packed = multiplied as stored by "
+                             "torch's int4 kernel in bf16 (speculation stays exact), dense = decoded to fp32 "
+                             f"(default: {DEFAULT_CPU_KERNEL})")
+
+
 def add_draft(parser, help: str = DRAFT_HELP) -> None:
     parser.add_argument("--draft", default=None, help=help)
 
@@ -40,6 +48,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     add_target(group)
     add_gguf_import(group)
+    add_cpu_kernel(group)
     add_draft(group)
     group.add_argument("--no-draft", action="store_true", help="never use a draft model (default: off)")
     group.add_argument("--judge", default=None,

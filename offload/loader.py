@@ -25,6 +25,7 @@ from offload.weights.source import WeightSource
 
 
 CPU_KERNELS = ("dense", "packed")
+DEFAULT_CPU_KERNEL = "dense"
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ class LoadOptions:
     direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
     # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: "packed" multiplies them as stored with torch's int4
     # kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
-    cpu_kernel: str = "dense"
+    cpu_kernel: str = DEFAULT_CPU_KERNEL
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)

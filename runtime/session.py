@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from offload import LoadedModel, LoadOptions, StreamDecoder
+from offload.loader import DEFAULT_CPU_KERNEL
 from offload.devices import choose_device
 from offload.planner import PlanError, with_batch
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
@@ -47,6 +48,7 @@ class RuntimeConfig:
     gguf_import: bool = False       # a GGUF target is dequantized to a safetensors folder, not run in place
     batch_size: int | None = 1      # sequences decoded together (a KV cache slot each); None: auto, from the plan
     max_batch: int = 64             # the most auto picks (e.g. the number of requests to answer)
+    cpu_kernel: str = DEFAULT_CPU_KERNEL    # a GGUF's matrices on the CPU: packed (int4 kernel) or dense (fp32)
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
@@ -109,7 +111,8 @@ class Session:
                                        gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
                                        max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
                                        draft_bytes=draft.weight_bytes, formats=weight_formats(),
-                                       draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import)
+                                       draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
+                                       cpu_kernel=config.cpu_kernel)
             self.options.num_sequences = self._batch_size(self.options)
             try:
                 return _load_target(self.options, on_status, on_progress), max_budget
