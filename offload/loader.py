@@ -123,7 +123,10 @@ def _request_for(options: LoadOptions) -> PlanRequest:
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
     dtype = choose_dtype(options.dtype, device)
-    return _plan_request(options, source, source.layout(dtype), _global_bytes(source, dtype), device, dtype)
+    global_bytes = _global_bytes(source, dtype)
+    if on_packed_kernel(source, options, device):    # the output matrix packed beside the dense embedding
+        global_bytes += source.kernel_head_bytes(dtype)
+    return _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
 
 
 def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:

@@ -219,6 +219,14 @@ class GgufSource:
         return packed_linear.Int4Head(packed_linear.from_gguf(raw, info.qtype, info.shape),
                                       raw.view(info.shape[0], -1), info.qtype)
 
+    def kernel_head_bytes(self, dtype: torch.dtype) -> int:
+        """What the packed output matrix adds to the dense globals (a dense lm_head it replaces subtracted)."""
+        info = self._globals.get("lm_head", self._globals["embed"])
+        if not packed_linear.takes(info.qtype, info.shape):
+            return 0
+        replaced = math.prod(info.shape) * dtype.itemsize if "lm_head" in self._globals else 0
+        return packed_linear.kernel_bytes(info.qtype, info.shape) - replaced
+
     def kernel_layer_bytes(self, dtype: torch.dtype) -> int:
         """The most bytes a layer holds for the CPU's kernel (its other tensors decoded in `dtype`)."""
         return max(sum(packed_linear.kernel_bytes(info.qtype, info.shape) if packed_linear.takes(info.qtype, info.shape)

@@ -1,0 +1,193 @@
+"""The CPU's packed int4 kernel against today's dense fp32 decode, side by side in one run on the same GGUF
+(the embedded default model unless --target): every figure is a ratio of two timings taken alternately.
+
+    .venv/bin/python -m bench.cpu_kernel_bench --parts crossover,decode,stream,quality --out FILE.json
+
+crossover  one pass of M new tokens (M = 1..512) after a 128-token context: packed / dense seconds
+decode     greedy one-token decoding, resident: tokens per second, packed and dense
+stream     every layer streamed from RAM: one-token pass seconds; and one layer repacked vs decoded
+quality    perplexity on held-out code, prose and math (bench quant's texts), greedy answers to the chat
+           prompts identical to dense fp32, and packed speculation (the default draft) identical to packed
+           one-token decoding
+Prints one summary line, then the JSON (also written to --out with the command that made it)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import textdata
+from offload import LoadOptions
+from offload.loader import streaming_device_budget
+from runtime.models import load_model
+
+KERNELS = ("dense", "packed")
+PARTS = ("crossover", "decode", "stream", "quality")
+PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CONTEXT = 128
+
+
+def _load(target: str | None, kernel: str, **kwargs):
+    return load_model(LoadOptions(target, device="cpu", dtype="fp32", cpu_kernel=kernel, max_context=2048,
+                                  max_pass_tokens=512, **kwargs))
+
+
+def _alternate(run: dict, repeats: int) -> dict:
+    """kernel -> median seconds of run[kernel](), the kernels taken in turn `repeats` times after a warm-up."""
+    times = {kernel: [] for kernel in run}
+    for kernel in run:
+        run[kernel]()
+    for _ in range(repeats):
+        for kernel, call in run.items():
+            start = time.perf_counter()
+            call()
+            times[kernel].append(time.perf_counter() - start)
+    return {kernel: statistics.median(values) for kernel, values in times.items()}
+
+
+def _pass(model, context: torch.Tensor, num_tokens: int):
+    cache = model.new_cache(CONTEXT + num_tokens + 1)
+    model.forward(context, cache)
+    cache.commit()
+    tokens = torch.randint(0, model.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(1))
+    return lambda: (cache.truncate(CONTEXT), model.forward(tokens, cache))
+
+
+def crossover(models: dict, repeats: int) -> dict:
+    context = torch.randint(0, 1000, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for num_tokens in PASS_TOKENS:
+        seconds = _alternate({k: _pass(m.model, context, num_tokens) for k, m in models.items()},
+                             repeats if num_tokens <= 64 else max(2, repeats // 3))
+        rows.append({"tokens": num_tokens, **{f"{k}_ms": round(s * 1e3, 2) for k, s in seconds.items()},
+                     "packed_over_dense": round(seconds["packed"] / seconds["dense"], 3)})
+    slower = [row["tokens"] for row in rows if row["packed_over_dense"] > 1]
+    return {"context": CONTEXT, "passes": rows, "packed_slower_from": min(slower) if slower else None}
+
+
+def _chat_ids(tokenizer, limit: int | None = None) -> list[list[int]]:
+    rows = textdata.records(textdata.CHAT_PROMPTS)[:limit]
+    return [tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}]) for row in rows]
+
+
+def decode(models: dict, repeats: int, new_tokens: int) -> dict:
+    from spec import DecodeConfig, Decoder, SamplingConfig
+    ids = _chat_ids(models["dense"].tokenizer, 1)[0]
+    decoders = {k: Decoder(m.model, set(), DecodeConfig(new_tokens, 2048)) for k, m in models.items()}
+    seconds = _alternate({k: lambda d=d: d.generate(ids, SamplingConfig()) for k, d in decoders.items()}, repeats)
+    rates = {k: round(new_tokens / s, 2) for k, s in seconds.items()}
+    return {"new_tokens": new_tokens, "prompt_tokens": len(ids), "tokens_per_second": rates,
+            "packed_over_dense_speed": round(rates["packed"] / rates["dense"], 3)}
+
+
+def stream(target: str | None, repeats: int) -> dict:
+    models = {}
+    for kernel in KERNELS:
+        options = LoadOptions(target, device="cpu", dtype="fp32", max_context=256, max_pass_tokens=16,
+                              cpu_kernel=kernel)
+        models[kernel] = load_model(replace(options, gpu_mem=streaming_device_budget(options)))   # all from RAM
+    try:
+        context = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+        passes = {}
+        for k, m in models.items():
+            cache = m.model.new_cache(64)
+            m.model.forward(context, cache)
+            cache.commit()
+            passes[k] = lambda m=m, cache=cache: (cache.truncate(16), m.model.forward(context[:, :1], cache))
+        seconds = _alternate(passes, repeats)
+        source = models["packed"].source
+        stored = {name: raw.clone() for name, raw in source.layer(0).items()}       # one layer's blocks in RAM
+        with torch.inference_mode():      # the shared workspace the passes made is an inference tensor
+            layer = _alternate({"dense": lambda: source.decode_layer(0, stored, torch.float32, shared=True),
+                                "packed": lambda: source.kernel_layer(0, stored, torch.float32, shared=True)}, repeats)
+        tiers = models["packed"].plan.tier_of
+    finally:
+        for m in models.values():
+            m.layers.close()
+    return {"tiers": {t: tiers.count(t) for t in set(tiers)},
+            "one_token_pass_ms": {k: round(s * 1e3, 2) for k, s in seconds.items()},
+            "packed_over_dense": round(seconds["packed"] / seconds["dense"], 3),
+            "layer_0_ms": {"decode_fp32": round(layer["dense"] * 1e3, 3), "repack_int4": round(layer["packed"] * 1e3, 3)},
+            "repack_over_decode": round(layer["packed"] / layer["dense"], 3)}
+
+
+def quality(models: dict, target: str | None, tokens_per_domain: int, new_tokens: int, spec_prompts: int) -> dict:
+    from bench.quant_bench import QuantBenchConfig, heldout_texts
+    from quant.perplexity import PerplexityConfig, perplexity
+    from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
+    texts = heldout_texts(models["dense"], QuantBenchConfig(target, tokens_per_domain, chat_prompts=None), print)
+    config = PerplexityConfig(max_tokens=tokens_per_domain)
+    scores = {k: {d: round(perplexity(m, t, config)["perplexity"], 4) for d, t in texts.items()}
+              for k, m in models.items()}
+    increase = {d: round(100 * (scores["packed"][d] / scores["dense"][d] - 1), 3) for d in texts}
+    decode_config = DecodeConfig(new_tokens, 2048, max_pass_tokens=512)
+    answers = {k: [Decoder(m.model, m.stop_ids, decode_config).generate(ids, SamplingConfig()).token_ids
+                   for ids in _chat_ids(m.tokenizer)] for k, m in models.items()}
+    identical = sum(a == b for a, b in zip(answers["dense"], answers["packed"]))
+    target_model = models["packed"]
+    draft = load_any_draft(str(default_draft_for(target)), target_model, LoadOptions(device="cpu", max_context=2048))
+    speculative = Decoder(target_model.model, target_model.stop_ids, decode_config,
+                          Speculator(draft, 2048, 16), FixedBudget(16))
+    spec_same = [speculative.generate(ids, SamplingConfig()).token_ids == answers["packed"][i]
+                 for i, ids in enumerate(_chat_ids(target_model.tokenizer, spec_prompts))]
+    return {"perplexity": scores, "perplexity_increase_percent": increase, "tokens_per_domain": tokens_per_domain,
+            "greedy_answers": len(answers["dense"]), "greedy_new_tokens": new_tokens,
+            "greedy_identical_to_dense": identical,
+            "speculation_budget_16_identical_to_packed_greedy": f"{sum(spec_same)}/{len(spec_same)}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--tokens-per-domain", type=int, default=4096)
+    parser.add_argument("--spec-prompts", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    result = {"bench": "cpu-kernel", "command": " ".join(["python -m bench.cpu_kernel_bench", *(argv or sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    models = {k: _load(args.target, k) for k in KERNELS} if set(parts) - {"stream"} else {}
+    if "crossover" in parts:
+        result["crossover"] = crossover(models, args.repeats)
+    if "decode" in parts:
+        result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens)
+    if "stream" in parts:
+        result["stream"] = stream(args.target, args.repeats)
+    if "quality" in parts:
+        result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts)
+    summary = {part: result[part] for part in parts}
+    print("cpu-kernel: " + "; ".join(f"{part}: {_headline(part, value)}" for part, value in summary.items()))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def _headline(part: str, value: dict) -> str:
+    if part == "crossover":
+        return f"packed slower from {value['packed_slower_from']} tokens per pass"
+    if part == "decode":
+        return f"{value['tokens_per_second']} tok/s"
+    if part == "stream":
+        return f"packed/dense one-token pass {value['packed_over_dense']}, repack/decode {value['repack_over_decode']}"
+    return (f"perplexity +{value['perplexity_increase_percent']}%, {value['greedy_identical_to_dense']}/"
+            f"{value['greedy_answers']} greedy answers identical, speculation "
+            f"{value['speculation_budget_16_identical_to_packed_greedy']} exact")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
