@@ -9,6 +9,11 @@ relative at the median). Each row's result must not depend on the rows beside it
 a tree of M rows gives every row the bits a one-row product gives it."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +21,7 @@ import torch
 from offload.weights import gguf_blocks, packed_linear
 from offload.weights.ggml_types import GGMLType as T
 
+ROOT = Path(__file__).resolve().parents[1]
 U = 2.0 ** -8
 SHAPES = [(64, 256), (48, 512), (128, 768)]
 CASES = [(qtype, shape) for qtype in packed_linear.KERNEL_TYPES for shape in SHAPES]
@@ -82,6 +88,27 @@ def test_a_three_dim_input_keeps_its_leading_dims():
     packed = packed_linear.from_gguf(_raw(qtype, shape), qtype, shape)
     x = torch.randn(2, 3, shape[1])
     assert torch.equal(packed.matmul(x), packed.matmul(x.view(6, -1)).view(2, 3, -1))
+
+
+PACK_CHECK = """
+import torch
+from offload.weights.packed_linear import pack_codes
+for rows in (16, 32, 48, 64, 80, 112, 192, 320):
+    codes = torch.randint(0, 16, (rows, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(pack_codes(codes), torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)), rows
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.parametrize("capability", [None, "avx2", "default"])
+def test_codes_are_packed_as_torchs_converter_packs_them_on_each_dispatch(capability):
+    """The layout is the CPU dispatch's (AVX512 and AVX2 interleave row blocks): checked against torch's own
+    converter in this process and in processes told to dispatch as AVX2 and as plain C++."""
+    env = {**os.environ, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+    done = subprocess.run([sys.executable, "-c", PACK_CHECK], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    if capability:
+        assert done.stdout.strip() == capability.upper()
 
 
 def test_repacking_in_row_chunks_gives_the_whole_layout(monkeypatch):

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offload.weights.gguf_blocks import _half, _nibbles, _scale_min_k4, _two_halves, dequantize, packed_nbytes
+from offload.weights.gguf_blocks import (_half, _nibbles, _scale_min_k4, _two_halves, _word_nibbles, dequantize,
+                                         packed_nbytes)
 from offload.weights.ggml_types import QUANT_SIZES, GGMLType as T
 
 GROUP = 32
@@ -126,11 +127,34 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
         quants = quants.view(stop - start, -1, GROUP)
         if repeat == 2:   # each block's high nibbles, then its low ones: the hi products over K, then the lo ones
             quants = quants.view(stop - start, -1, 2, GROUP).transpose(1, 2)
-        codes[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            quants.reshape(stop - start, width).to(torch.int32), 1)
+        codes[start:stop] = pack_codes(quants.reshape(stop - start, width))
         scale_zeros[:, start:stop, 0] = _by_group(scale, stop - start, repeat).t()
         scale_zeros[:, start:stop, 1] = _by_group(zero, stop - start, repeat).t()
     return Int4Weight(codes, scale_zeros, (num_out, num_in), repeat)
+
+
+# Rows interleaved per byte by torch's converter (aten/src/ATen/native/cpu/int4mm_kernel.cpp), by CPU dispatch:
+# a block of 64 rows (AVX512: byte d of column k pairs rows d and d + 32, byte 16 + d rows 16 + d and 48 + d) or
+# 32 (AVX2: rows d and d + 16); a last block of 16, 32 or 48 rows, and every row elsewhere, pairs rows 2i, 2i + 1.
+_ROW_BLOCK = {"AVX512": 64, "AVX2": 32}
+
+
+def pack_codes(codes: Tensor) -> Tensor:
+    """codes [N, K] uint8 in 0..15 -> [N, K / 2] uint8, what _convert_weight_to_int4pack_for_cpu makes of them
+    as int32 on this CPU, built with a few uint8 operations (the converter's loop over int32 copies runs
+    slower than decoding the blocks to fp32)."""
+    block = _ROW_BLOCK.get(torch.backends.cpu.get_cpu_capability())
+    if block is None:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    num_rows, width = codes.shape
+    packed = torch.empty(num_rows, width // 2, dtype=torch.uint8)
+    full = num_rows // block * block
+    lanes = codes[:full].view(-1, 2, block // 32, 16, width)                    # [blocks, low/high, pairs, 16, K]
+    pairs = lanes[:, 1].bitwise_left_shift(4).bitwise_or_(lanes[:, 0])          # [blocks, pairs, 16, K]
+    packed[:full].view(-1, width, block // 32, 16).copy_(pairs.permute(0, 3, 1, 2))
+    tail = codes[full:].view(-1, 2, width)                                       # [rows / 2, even/odd, K]
+    packed[full:].view(width, -1).copy_(tail[:, 1].bitwise_left_shift(4).bitwise_or_(tail[:, 0]).t())
+    return packed
 
 
 def _by_group(values: Tensor, num_rows: int, repeat: int) -> Tensor:
@@ -148,13 +172,14 @@ def _q4_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _q4_1(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     d, m = _two_halves(blocks).unbind(1)                                          # [n] each
-    return _nibbles(blocks[:, 4:], 1).view(-1, 1, GROUP), d[:, None], (m + 8 * d)[:, None]
+    return _word_nibbles(blocks, 1, 4).view(-1, 1, GROUP), d[:, None], (m + 8 * d)[:, None]
 
 
 def _q4_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     d_dmin = _two_halves(blocks).unsqueeze(-1)                                   # [n, 2, 1]
     scale, shift = (d_dmin * _scale_min_k4(blocks[:, 4:16]).float()).unbind(1)    # [n, 8] each
-    return _nibbles(blocks[:, 16:], 4).view(-1, 8, GROUP), scale, 8 * scale - shift
+    quants = _word_nibbles(blocks, 4, 32).view(-1, 2, 4, GROUP).transpose(1, 2)    # [n, chunk, low/high, 32]
+    return quants.reshape(-1, 8, GROUP), scale, 8 * scale - shift
 
 
 def _q8_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
