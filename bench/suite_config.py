@@ -34,6 +34,7 @@ class SuiteConfig:
                                      "transformers_resident", "accelerate_disk_warm", "accelerate_disk_cold",
                                      "accelerate_cpu", "airllm")
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    serve_clients: tuple[int, ...] = (1, 4, 8, 16)
     threads: int = 0                        # every engine, ours and the peers' (0: torch's default)
     only: tuple[str, ...] = ()              # run these benchmarks only (default: all)
     quick: bool = False
@@ -64,7 +65,7 @@ QUICK = SuiteConfig(prompts=1, max_new_tokens=32, budgets=(1, 4, 16, 64), stream
                     disk_tokens=8, disk_rounds=1, peer_tokens=16, peer_rounds=1, airllm_tokens=4,
                     peer_engines=("ours_resident", "ours_ram", "ours_disk_cold", "transformers_resident",
                                   "accelerate_disk_cold", "airllm"),
-                    batch_sizes=(1, 4), quick=True)
+                    batch_sizes=(1, 4), serve_clients=(1, 4), quick=True)
 
 
 def preset(quick: bool, **overrides) -> SuiteConfig:

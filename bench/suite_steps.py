@@ -1,8 +1,9 @@
 """The benchmarks `bench all` runs, each a call of a `bench` command's own function (or, for the peers
 that live in other environments, its script): our engine resident, streamed from RAM and from a cold
 disk, speculative by budget and at the auto budget, SpQR w4 and the in-place GGUF from a cold disk, the
-draft, batched decoding; transformers generate and assisted generation, accelerate disk offload, AirLLM
-and llama.cpp. Every engine decodes the same prompts greedily with the same thread count."""
+draft, batched decoding, the server under concurrent clients; transformers generate and assisted generation,
+accelerate disk offload, AirLLM and llama.cpp. Every engine decodes the same prompts greedily with the same
+thread count."""
 from __future__ import annotations
 
 import gc
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from bench.suite_config import ROOT, SuiteConfig
 from bench.suite_batch import run_batch
+from bench.suite_serve import run_serve
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
 GPU_REFERENCE = ROOT / "bench/results/device_check_h200.json"
@@ -290,4 +292,5 @@ STEPS = (
     Step("peers", run_peers, lambda c: 150 if c.quick else 600),
     Step("llama_cpp", run_llama_cpp, lambda c: 15 if c.quick else 30),
     Step("batch", run_batch, lambda c: 60 if c.quick else 300),
+    Step("serve", run_serve, lambda c: 90 if c.quick else 600),
 )

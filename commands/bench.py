@@ -1,7 +1,7 @@
-"""bench: benchmarks that print JSON (draft, spec, stream, batch, quant, quant-disk, tree-simulation, startup),
-the whole suite with its report (all) and the generated record (record); their code lives in bench/. One table
-(BENCHES) names each subcommand with its help, its flags and its handler: a subcommand cannot exist without
-a handler, nor a handler be reached by a name the parser does not know."""
+"""bench: benchmarks that print JSON (draft, spec, stream, batch, serve, quant, quant-disk, tree-simulation,
+startup), the whole suite with its report (all) and the generated record (record); their code lives in
+bench/. One table (BENCHES) names each subcommand with its help, its flags and its handler: a subcommand
+cannot exist without a handler, nor a handler be reached by a name the parser does not know."""
 from __future__ import annotations
 
 import json
@@ -60,7 +60,8 @@ def _bench_spec(args, console) -> dict:
                              [m.strip() for m in args.modes.split(",") if m.strip()],
                              parse_bytes(args.gpu_mem) if args.gpu_mem else None, run_peer=not args.no_peer,
                              dtype=args.dtype)
-    sampling = SamplingConfig(args.temperature, args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty)
+    sampling = SamplingConfig(args.temperature, args.top_p, min_p=args.min_p, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty)
     result = run_spec_bench(config, sampling, prompt_turns(args.prompts, args.limit, per_file=True),
                             on_status=_on_status(console), resume=args.resume, partial=args.partial)
     if not args.json:
@@ -105,6 +106,21 @@ def _bench_batch(args, console) -> dict:
                               device=args.device, dtype=args.dtype)
     result = batch_report(config, prompt_turns(args.prompts, args.limit), _on_status(console))
     result["prompt_files"] = [p.name for p in args.prompts]
+    console.print(summary_line(result), highlight=False)
+    return result
+
+
+def _bench_serve(args, console) -> dict:
+    import textdata
+    from bench.serve_bench import ServeBenchConfig, run_serve_bench, summary_line
+    from perf.tree_size import parse_budget
+    from spec.distill.prompts import prompt_turns
+    clients = _integers(args.clients, "--clients")
+    config = ServeBenchConfig(args.target, args.draft, args.no_draft, clients,
+                              [t.strip() for t in args.tiers.split(",") if t.strip()], args.max_new_tokens,
+                              parse_budget(args.budget), args.device, args.dtype)
+    prompts = prompt_turns(args.prompts or [textdata.path(textdata.CHAT_PROMPTS)], max(clients))
+    result = run_serve_bench(config, prompts, _on_status(console))
     console.print(summary_line(result), highlight=False)
     return result
 
@@ -198,6 +214,9 @@ BENCHES: dict[str, Bench] = {
                   _bench_spec),
     "batch": Bench("batched decoding: tok/s and latency by batch size, RAM- and cold-disk-streamed, with and "
                    "without speculation", flags.batch_flags, _bench_batch),
+    "serve": Bench("the OpenAI-compatible server under 1-16 concurrent streamed clients, from RAM and a cold disk: "
+                   "total tok/s, time to first token and chunk gaps, against the same requests one after another",
+                   flags.serve_flags, _bench_serve),
     "tree-simulation": Bench("tokens per pass by tree budget from draft work alone, against the target's greedy "
                              "answers (an acceptance curve `plan --acceptance` reads)", flags.tree_simulation_flags,
                              _bench_tree_simulation),

@@ -65,6 +65,21 @@ def batch_flags(batch) -> None:
     add_dtype(batch)
 
 
+def serve_flags(serve) -> None:
+    _pair(serve)
+    serve.add_argument("--no-draft", action="store_true", help="no speculation (default: off)")
+    serve.add_argument("--prompts", type=Path, nargs="+", default=None,
+                       help=f"{PROMPTS_HELP} (default: the shipped chat prompts)")
+    serve.add_argument("--clients", default="1,4,8,16", help="concurrent clients per row (default: 1,4,8,16)")
+    serve.add_argument("--tiers", default="ram,disk",
+                       help="ram (every layer streams from RAM) and/or disk (cold, 3 layers resident) "
+                            "(default: ram,disk)")
+    serve.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (default: 32)")
+    serve.add_argument("--budget", default="auto", help="tree tokens per pass, or auto (default: auto)")
+    add_device(serve)
+    add_dtype(serve)
+
+
 def suite_flags(suite) -> None:
     suite.add_argument("--out", type=Path, required=True, help="folder for the JSON files, report.md and PNGs")
     suite.add_argument("--quick", action="store_true",
@@ -99,6 +114,8 @@ def spec_flags(spec) -> None:
                            "(default: resident,disk-cold)")
     spec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     spec.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    spec.add_argument("--min-p", type=float, default=0.0,
+                      help="drop tokens below min-p x top prob (default: 0 = off)")
     spec.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: 0)")
     spec.add_argument("--repetition-penalty", type=float, default=1.0,
                       help="the target's repetition penalty, for every row and the peer (default: 1.0 = off)")

@@ -19,6 +19,7 @@ import bench.quant_bench
 import bench.quant_disk_bench
 import bench.spec_bench
 import bench.batch_summary
+import bench.serve_bench
 import bench.suite_steps
 from bench import record
 from bench.report import SECTIONS, write_report
@@ -26,7 +27,7 @@ from bench.suite import run_suite
 from bench.suite_config import FULL, QUICK, SuiteConfig, preset
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench/results"
-STEP_NAMES = ("spec", "stream", "quant", "quant_disk", "draft", "peers", "llama_cpp", "batch")
+STEP_NAMES = ("spec", "stream", "quant", "quant_disk", "draft", "peers", "llama_cpp", "batch", "serve")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -88,6 +89,12 @@ def stubbed(monkeypatch, tiny_model, tmp_path):
         return stored("batch.json")
 
     monkeypatch.setattr(bench.batch_summary, "run_batch_bench", batch)
+
+    def serve(config, prompts, on_status=None):
+        calls["serve"] = (config, prompts)
+        return stored("serve.json")
+
+    monkeypatch.setattr(bench.serve_bench, "run_serve_bench", serve)
     return calls
 
 
@@ -175,6 +182,14 @@ def test_bench_batch_runs_in_the_suite_with_its_settings_and_its_summary(stubbed
     assert batch["plan_70b_spqr_w4"]["command"].startswith("plan --target bench/configs/llama-2-70b ")
     report = (tmp_path / "run/report.md").read_text()
     assert "batched 32 / batch 1" in report
+
+
+def test_bench_serve_runs_in_the_suite_with_its_settings(stubbed, tmp_path):
+    manifest = run_suite(tiny_config(only=("serve",)), tmp_path / "run", "x")
+    assert [s["status"] for s in manifest["steps"]] == ["ok"], manifest["steps"]
+    config, prompts = stubbed["serve"]
+    assert config.clients == [1, 4] and config.max_new_tokens == 4 and len(prompts) == 4
+    assert json.loads((tmp_path / "run/serve.json").read_text())["summary"]["all_identical"] is True
 
 
 def test_record_replaces_exactly_the_marked_blocks(stubbed, tmp_path):
