@@ -4,7 +4,8 @@
     .venv/bin/python -m bench.cpu_kernel_bench --parts crossover,decode,stream,quality --out FILE.json
 
 crossover  one pass of M new tokens (M = 1..512) after a 128-token context: packed / dense seconds
-decode     greedy one-token decoding, resident: tokens per second, packed and dense
+decode     greedy one-token decoding, resident: tokens per second, packed and dense (prefill excluded), and
+           with --llama-cpp llama.cpp on the same file, prompt ids and threads
 stream     every layer streamed from RAM: one-token pass seconds; and one layer repacked vs decoded
 quality    perplexity on held-out code, prose and math (bench quant's texts), greedy answers to the chat
            prompts identical to dense fp32, and packed speculation (the default draft) identical to packed
@@ -76,14 +77,55 @@ def _chat_ids(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}]) for row in rows]
 
 
-def decode(models: dict, repeats: int, new_tokens: int) -> dict:
-    from spec import DecodeConfig, Decoder, SamplingConfig
+def _greedy_steps(model, prompt: list[int], new_tokens: int):
+    """One-token greedy passes after the prompt (prefill untimed, as bench/llama_cpp_runner.py times llama.cpp)."""
+    cache = model.new_cache(len(prompt) + new_tokens + 1)
+    first = int(model.forward(torch.tensor([prompt]), cache, last_only=True).logits[0, -1].argmax())
+    cache.commit()
+
+    def steps() -> list[int]:
+        cache.truncate(len(prompt))
+        tokens = [first]
+        for _ in range(new_tokens - 1):
+            tokens.append(int(model.forward(torch.tensor([tokens[-1:]]), cache).logits[0, -1].argmax()))
+            cache.commit()
+        return tokens
+    return steps
+
+
+def decode(models: dict, repeats: int, new_tokens: int, llama_cpp: bool) -> dict:
     ids = _chat_ids(models["dense"].tokenizer, 1)[0]
-    decoders = {k: Decoder(m.model, set(), DecodeConfig(new_tokens, 2048)) for k, m in models.items()}
-    seconds = _alternate({k: lambda d=d: d.generate(ids, SamplingConfig()) for k, d in decoders.items()}, repeats)
-    rates = {k: round(new_tokens / s, 2) for k, s in seconds.items()}
-    return {"new_tokens": new_tokens, "prompt_tokens": len(ids), "tokens_per_second": rates,
-            "packed_over_dense_speed": round(rates["packed"] / rates["dense"], 3)}
+    seconds = _alternate({k: _greedy_steps(m.model, ids, new_tokens) for k, m in models.items()}, repeats)
+    rates = {k: round((new_tokens - 1) / s, 2) for k, s in seconds.items()}
+    result = {"new_tokens": new_tokens, "prompt_tokens": len(ids), "tokens_per_second": rates,
+              "packed_over_dense_speed": round(rates["packed"] / rates["dense"], 3)}
+    if llama_cpp:
+        result["llama_cpp"] = _llama_cpp(models["dense"], ids, new_tokens, repeats)
+        if "tokens_per_second" in result["llama_cpp"]:
+            theirs = result["llama_cpp"]["tokens_per_second"]
+            result["over_llama_cpp"] = {k: round(rate / theirs, 3) for k, rate in rates.items()}
+    return result
+
+
+def _llama_cpp(loaded, ids: list[int], new_tokens: int, rounds: int) -> dict:
+    """llama.cpp (llama-cpp-python in .venv-peers, as bench all runs it) on the same file, ids and threads."""
+    import subprocess
+    from bench.peers import PEERS_PYTHON
+    from offload.weights.gguf_model import gguf_file_of
+    if not PEERS_PYTHON.exists():
+        return {"skipped": ".venv-peers is missing: run scripts/setup_peers.sh --llama-cpp"}
+    cmd = [str(PEERS_PYTHON), str(Path(__file__).with_name("llama_cpp_runner.py")), "--model",
+           str(gguf_file_of(loaded.path)), "--ids", json.dumps(ids), "--max-new-tokens", str(new_tokens),
+           "--threads", str(torch.get_num_threads())]
+    runs = []
+    for _ in range(rounds):
+        lines = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout.splitlines()
+        runs.append(json.loads(next((line for line in reversed(lines) if line.startswith("{")), '{"error": "no JSON"}')))
+        if runs[-1].get("seconds_per_token") is None:
+            return {"error": runs[-1].get("error", "no timing"), "runs": runs}
+    per_token = statistics.median(run["seconds_per_token"] for run in runs)
+    return {"tokens_per_second": round(1 / per_token, 2), "rounds": rounds,
+            "llama_cpp_python": runs[-1].get("llama_cpp_python_version")}
 
 
 def stream(target: str | None, repeats: int) -> dict:
@@ -150,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--tokens-per-domain", type=int, default=4096)
     parser.add_argument("--spec-prompts", type=int, default=8)
+    parser.add_argument("--llama-cpp", action="store_true", help="decode: also llama.cpp from .venv-peers")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
@@ -163,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if "crossover" in parts:
         result["crossover"] = crossover(models, args.repeats)
     if "decode" in parts:
-        result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens)
+        result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, args.llama_cpp)
     if "stream" in parts:
         result["stream"] = stream(args.target, args.repeats)
     if "quality" in parts:

@@ -15,7 +15,7 @@ from offload.loader import build_engine, streaming_device_budget
 from offload.model.config import ModelConfig
 from offload.weights.formats import open_source
 from offload.weights.ggml_types import GGMLType
-from offload.weights.packed_linear import Int4Head, Int4Weight
+from offload.weights.packed_linear import FUSED, Int4Head, Int4Weight
 from offload.weights.resolve import resolve_model
 from offload.weights.safetensors_io import write_safetensors
 from offload.weights.source import CheckpointSource
@@ -64,8 +64,10 @@ def test_every_tier_multiplies_packed_and_decodes_only_what_the_kernel_cannot_ta
     assert resident.plan.tier_of == ["device"] * 3 and streamed.plan.tier_of == ["ram", "disk", "disk"]
     types = {(i, name): info.type_name for i, layer in enumerate(resident.source._layers) for name, info in layer.items()}
     for (index, name), type_name in types.items():
-        weight = resident.layers.resident[index][name]
-        assert isinstance(weight, Int4Weight) == (type_name in KERNEL_TYPES), (index, name, type_name)
+        layer = resident.layers.resident[index]
+        fused = next((f for f, parts in FUSED.items() if name in parts and f in layer), None)
+        assert isinstance(layer[fused or name], Int4Weight) == (type_name in KERNEL_TYPES), (index, name, type_name)
+        assert (fused or name) in layer and not (fused and name in layer)
     decoded_types.clear()
     got = resident.model.forward(ids, resident.model.new_cache(16)).logits
     for _ in range(2):      # streamed layers repacked pass after pass

@@ -30,15 +30,19 @@ def decoder_layer(x: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_in
     x = x + _attention(rms_norm(x, w["input_norm"], config.rms_norm_eps), w, config, layer_index,
                        cos, sin, mask, cache)
     h = rms_norm(x, w["post_norm"], config.rms_norm_eps)
-    return x + linear(F.silu(linear(h, w["gate"])) * linear(h, w["up"]), w["down"])
+    if "gate_up" in w:           # gate and up stacked into one weight (packed_linear.fuse_layer)
+        gate, up = linear(h, w["gate_up"]).chunk(2, dim=-1)
+    else:
+        gate, up = linear(h, w["gate"]), linear(h, w["up"])
+    return x + linear(F.silu(gate) * up, w["down"])
 
 
 def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index: int,
                cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
     batch, num_new, _ = h.shape
-    q = _heads(linear(h, w["q"], w.get("q_bias")), config.num_heads)      # [B, H, N, D]
-    k = _heads(linear(h, w["k"], w.get("k_bias")), config.num_kv_heads)   # [B, KVH, N, D]
-    v = _heads(linear(h, w["v"], w.get("v_bias")), config.num_kv_heads)
+    q, k, v = _projections(h, w, config)
+    q = _heads(q, config.num_heads)                                          # [B, H, N, D]
+    k, v = _heads(k, config.num_kv_heads), _heads(v, config.num_kv_heads)     # [B, KVH, N, D]
     if config.has_qk_norm:
         q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
@@ -48,7 +52,7 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     # Products by a row-exact kernel (packed_linear: each row's bits whatever the rows beside it) attend in
     # float64 rounded back: a row's softmax and weighted sum then do not depend on the key count, order or
     # blocking (a one-token pass and a tree pass sum differently), so a tree row gets a one-token pass's bits.
-    exact = getattr(w["q"], "is_row_exact", False)
+    exact = getattr(w.get("qkv", w.get("q")), "is_row_exact", False)
     if exact:
         q, keys, values = q.double(), keys.double(), values.double()
     segments = cache.segments() if hasattr(cache, "segments") else None   # a slot cache's per-sequence blocks
@@ -61,6 +65,15 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     if exact:
         out = out.to(h.dtype)
     return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
+
+
+def _projections(h: Tensor, w: dict, config: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """h [B, N, hidden] -> q [B, N, H * D], k and v [B, N, KVH * D]; one product when w stacks them ("qkv")."""
+    if "qkv" not in w:
+        return tuple(linear(h, w[name], w.get(f"{name}_bias")) for name in ("q", "k", "v"))
+    kv = config.num_kv_heads * config.head_dim
+    parts = linear(h, w["qkv"]).split([config.num_heads * config.head_dim, kv, kv], dim=-1)
+    return tuple(p if w.get(f"{n}_bias") is None else p + w[f"{n}_bias"] for p, n in zip(parts, ("q", "k", "v")))
 
 
 def _heads(x: Tensor, num_heads: int) -> Tensor:

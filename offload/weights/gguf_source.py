@@ -208,7 +208,7 @@ class GgufSource:
         for name in kernel:
             info = infos[name]
             layer[name] = packed_linear.from_gguf(self._rows(name, info, stored[name]), info.qtype, info.shape)
-        return layer
+        return packed_linear.fuse_layer(layer)
 
     def kernel_head(self) -> packed_linear.Int4Head | None:
         """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""
