@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-domain", type=int, default=4096)
     parser.add_argument("--spec-prompts", type=int, default=8)
     parser.add_argument("--llama-cpp", action="store_true", help="decode: also llama.cpp from .venv-peers")
+    parser.add_argument("--stream-synthetic", default=None, metavar="TYPE",
+                        help="stream: bench stream's synthetic GGUF of this type (q4_k, q8_0: 8x the default's shapes, "
+                             "2.5 GB of layers) instead of --target")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
@@ -208,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in parts:
         result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, args.llama_cpp)
     if "stream" in parts:
-        result["stream"] = stream(args.target, args.repeats)
+        target = args.target
+        if args.stream_synthetic:
+            from bench.synthetic_gguf import synthetic_target
+            path, result["stream_synthetic_gguf"] = synthetic_target(args.stream_synthetic, 8, 2.5, print)
+            target = str(path)
+        result["stream"] = stream(target, args.repeats)
     if "quality" in parts:
         result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts)
     summary = {part: result[part] for part in parts}

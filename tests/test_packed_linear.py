@@ -129,7 +129,7 @@ def test_repacking_in_row_chunks_gives_the_whole_layout(monkeypatch):
     qtype, shape = T.Q4_K, (320, 512)
     raw = _raw(qtype, shape)
     whole = packed_linear.from_gguf(raw, qtype, shape)
-    monkeypatch.setattr(packed_linear, "REPACK_ROWS", 64)
+    monkeypatch.setattr(packed_linear, "REPACK_CODES", 64 * 512)          # 64 rows at a time
     chunked = packed_linear.from_gguf(raw, qtype, shape)
     assert torch.equal(whole.codes, chunked.codes) and torch.equal(whole.scale_zeros, chunked.scale_zeros)
 
