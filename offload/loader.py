@@ -216,11 +216,12 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     if ram_layers:
         ram = RamTier(source, layout, ram_layers, pin=device.type == "cuda",
                       max_pinned_bytes=int(plan.request.host_budget * 0.8))
-    # O_DIRECT reads (offload/disk_reads.py): a layer read whole into a host buffer, used there by a CPU
-    # (its tensors 16-byte aligned) or copied tensor by tensor from pinned memory to a GPU's ring slot
+    # O_DIRECT reads (offload/disk_reads.py): a layer read whole into a host buffer, used there by a CPU (its
+    # tensors 8-byte aligned, as safetensors and GGUF align them: a view of any dtype) or copied tensor by tensor
+    # from pinned memory to a GPU's ring slot
     disk = None
     if "disk" in tier_of:
-        disk = DiskTier(source, layout, direct=options.direct_reads, span_align=16 if device.type == "cpu" else 1)
+        disk = DiskTier(source, layout, direct=options.direct_reads, span_align=8 if device.type == "cpu" else 1)
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, options.ring_size, options.disk_cold,
                            decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead,
                                            on_kernel),

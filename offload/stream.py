@@ -206,7 +206,8 @@ class StreamingLayers:
                 slot = self.slots[load_count % len(self.slots)]
                 if not self._claim(slot, "free", None, layer, "loading"):
                     return
-                if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk:
+                # O_DIRECT reads bypass the page cache: only buffered reads need it emptied to stay cold
+                if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk and not self.disk.is_direct:
                     self.disk.drop_page_cache()
                 self._load(layer, slot)
                 with self._cond:

@@ -34,8 +34,8 @@ class SlotCache:
                  dtype: torch.dtype) -> None:
         if num_seq_slots <= 0 or max_length <= 0:
             raise ValueError(f"slot cache needs positive slots and length, got {num_seq_slots}, {max_length}")
-        shape = (config.num_layers, config.num_kv_heads, num_seq_slots * max_length, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)      # [L, KVH, slots x M, D]
+        shape = (config.num_layers, 1, config.num_kv_heads, num_seq_slots * max_length, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)      # [L, 1, KVH, slots x M, D]
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.num_seq_slots, self.max_length = num_seq_slots, max_length
         self.lengths = [0] * num_seq_slots                             # committed rows per slot
@@ -107,13 +107,12 @@ class SlotCache:
         """keys/values [1, KVH, N, D] of the reserved pass -> the pass's keys/values [1, KVH, S, D]."""
         if self._span is not None:
             first, write, end = self._span
-            self.keys[layer, :, write:end] = keys[0]
-            self.values[layer, :, write:end] = values[0]
-            return self.keys[layer, :, first:end][None], self.values[layer, :, first:end][None]
-        self.keys[layer, :, self._write_rows] = keys[0]
-        self.values[layer, :, self._write_rows] = values[0]
-        return (self.keys[layer].index_select(1, self._read_rows)[None],
-                self.values[layer].index_select(1, self._read_rows)[None])
+            self.keys[layer, :, :, write:end] = keys
+            self.values[layer, :, :, write:end] = values
+            return self.keys[layer, :, :, first:end], self.values[layer, :, :, first:end]
+        self.keys[layer, :, :, self._write_rows] = keys
+        self.values[layer, :, :, self._write_rows] = values
+        return self.keys[layer].index_select(2, self._read_rows), self.values[layer].index_select(2, self._read_rows)
 
     # --- per-slot bookkeeping ---------------------------------------------------------------------------
     def commit(self, slot: int, kept_new_indices: Sequence[int] | Tensor | None = None) -> None:
@@ -133,8 +132,8 @@ class SlotCache:
             first = slot * self.max_length + length
             source = send(torch.tensor([first + i for i in kept]), self.keys.device)
             target = slice(first, first + len(kept))
-            self.keys[:, :, target] = self.keys.index_select(2, source)
-            self.values[:, :, target] = self.values.index_select(2, source)
+            self.keys[:, :, :, target] = self.keys.index_select(3, source)
+            self.values[:, :, :, target] = self.values.index_select(3, source)
         self.lengths[slot] += len(kept)
         self.pending[slot] = _NONE
 
