@@ -166,11 +166,16 @@ class EngineWorker:
         self._fail_all(Failed(503, self.stopping))
 
     def _admit(self, ticket: Ticket) -> None:
-        ticket.text = TextStream(self.tokenizer, ticket)
         job = ticket.job
-        request = DecodeRequest(job.prompt_ids, job.sampling, job.max_tokens, ticket.text.stops, ticket.text.push,
-                                tag=ticket)
-        self.decoder.admit(request, self._finish)
+        try:
+            ticket.text = TextStream(self.tokenizer, ticket)
+            request = DecodeRequest(job.prompt_ids, job.sampling, job.max_tokens, ticket.text.stops,
+                                    ticket.text.push, tag=ticket)
+            self.decoder.admit(request, self._finish)
+        except Exception as err:    # this request fails, not the engine thread
+            traceback.print_exc()
+            self.running.discard(ticket)
+            ticket.post(Failed(500, f"the request could not start: {type(err).__name__}: {err}"))
 
     def _finish(self, request: DecodeRequest, result: DecodeResult | None, error: str | None) -> None:
         ticket = request.tag
