@@ -105,8 +105,8 @@ def _prompt_ids(served: Served, completion: Completion) -> tuple[list[int], str]
             return served.tokenizer.encode_chat(completion.messages), "messages"
         except (TemplateError, ValueError) as err:    # the model's template refuses the conversation
             raise ApiError(400, f"the model's chat template refuses these messages: {err}", "messages") from None
-    if isinstance(completion.prompt, str):
-        return served.tokenizer.encode(completion.prompt), "prompt"
+    if isinstance(completion.prompt, str):      # with the tokenizer's own specials (a BOS where it adds one)
+        return served.tokenizer.encode(completion.prompt, add_special_tokens=True), "prompt"
     if max(completion.prompt) >= served.vocab_size:
         raise ApiError(400, f"token id {max(completion.prompt)} is outside the vocabulary (size "
                             f"{served.vocab_size})", "prompt")

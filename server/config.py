@@ -20,9 +20,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
-        for name in ("max_new_tokens", "max_body_bytes", "max_connections"):
+        for name, flag in (("max_new_tokens", "--max-new-tokens"), ("max_body_bytes", "--max-body"),
+                           ("max_connections", "--max-connections")):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():

@@ -109,3 +109,14 @@ def test_a_generation_config_states_sampling_or_greedy(tmp_path):
     assert model_sampling_defaults(tmp_path).resolve({}).is_greedy
     (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
     assert model_sampling_defaults(tmp_path) == SamplingDefaults({})
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"port": 70000}, "--port"), ({"max_new_tokens": 0}, "--max-new-tokens"), ({"max_queue": -1}, "--max-queue"),
+    ({"max_body_bytes": 0}, "--max-body"), ({"api_key": " "}, "--api-key"),
+])
+def test_bad_server_settings_are_refused_before_a_model_loads(settings, fragment):
+    from server import ServeConfig
+    with pytest.raises(ValueError, match=fragment):
+        ServeConfig(**settings)
+    assert ServeConfig().host == "127.0.0.1" and ServeConfig(host="::1", port=9).url == "http://[::1]:9/v1"
