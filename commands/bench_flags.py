@@ -42,6 +42,8 @@ def stream_flags(stream) -> None:
     stream.add_argument("--disk-reads", default="direct", choices=["direct", "buffered"],
                         help="disk tier reads: O_DIRECT where the file system allows it, or through the page "
                              "cache (default: direct)")
+    stream.add_argument("--ring-size", type=int, default=None,
+                        help="streamed layers in flight (default: the engine's, LoadOptions.ring_size)")
     add_device(stream)
     add_dtype(stream)
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")

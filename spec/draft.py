@@ -81,11 +81,11 @@ def load_draft(options: LoadOptions, on_status=None, embed: Tensor | None = None
         config=config, layer_bytes=layout.num_bytes, global_bytes=global_bytes,
         device_budget=options.gpu_mem or default_device_memory(device), host_budget=options.ram or 1,
         max_context=options.max_context, max_tree=options.max_pass_tokens, dtype_bytes=dtype.itemsize,
-        ring_size=options.ring_size, device_is_cpu=device.type == "cpu"))
+        ring_size=options.ring_size or 2, device_is_cpu=device.type == "cpu"))
     if any(tier != "device" for tier in plan.tier_of):
         raise ValueError(f"draft {folder} does not fit the device budget; a draft must stay resident")
     resident = {i: to_device(layer, device, dtype) for i, layer in enumerate(layer_tensors)}
-    layers = StreamingLayers(layout, resident, plan.tier_of, None, None, device, options.ring_size)
+    layers = StreamingLayers(layout, resident, plan.tier_of, None, None, device, plan.request.ring_size)
     model = DraftDecoderModel(config, globals_, layers, device, dtype, stored["vocab_map"], stored["head_bias"])
     tokenizer = Tokenizer(folder)
     return LoadedModel(folder, config, tokenizer, model, layers, plan, stop_token_ids(folder, config, tokenizer),
