@@ -1,5 +1,5 @@
 """The default pair: greedy speculation with the shipped draft gives target-only greedy output token for
-token (a sample of the chat prompts here; every chat and MT-Bench prompt in bench/spec_exactness.py)."""
+token (a sample of the chat prompts here; every chat and MT-Bench prompt in tests/test_spec_exactness.py)."""
 import json
 from pathlib import Path
 

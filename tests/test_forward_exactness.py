@@ -220,7 +220,7 @@ def test_return_hidden_is_final_norm_output(tiny_checkpoint, family):
 
 
 def test_a_block_pass_computes_what_one_token_passes_compute(tiny_checkpoint):
-    """bench/pass_invariance.py: in fp32 a chain's block pass gives one-token greedy decoding's logits (so
+    """As tests/test_pass_invariance.py on the default model: in fp32 a chain's block pass gives one-token greedy decoding's logits (so
     its choices); in bf16 it is really computed in bf16 (differences exist) and still close."""
     from offload.model.pass_check import compare_passes
     folder, _ = tiny_checkpoint("llama")

@@ -354,7 +354,7 @@ def test_a_speculative_step_reads_the_target_device_once(pairs, monkeypatch):
 
 @pytest.mark.parametrize("seed", [0, 3])
 def test_tree_simulation_counts_the_passes_real_speculation_takes(pairs, seed):
-    """bench/tree_simulation.py grows the same trees against the target's greedy answer without target
+    """`bench tree-simulation` grows the same trees against the target's greedy answer without target
     passes; its pass count must equal real greedy speculation's, budget by budget."""
     from spec.simulation import simulate
     target_folder, close, _ = pairs(seed)

@@ -1,6 +1,6 @@
 """Does a pass over many tokens compute what one-token passes compute? Greedy speculation is
 token-identical to one-token decoding exactly when it does; in fp32 the two agree to rounding, in bf16 they
-may part at near-ties (bench/pass_invariance.py measures where)."""
+may part at near-ties (tests/test_pass_invariance.py measures where)."""
 from __future__ import annotations
 
 import torch
