@@ -219,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         result["stream"] = stream(target, args.repeats)
     if "quality" in parts:
         result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts)
-    summary = {part: result[part] for part in parts}
-    print("cpu-kernel: " + "; ".join(f"{part}: {_headline(part, value)}" for part, value in summary.items()))
+    summary = "cpu-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in parts)
     text = json.dumps(result, indent=1)
-    print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    print(summary)
+    print(text)
     return 0
 
 

@@ -84,17 +84,17 @@ def test_every_row_gets_the_bits_it_gets_alone():
 
 
 def test_stacked_weights_give_the_separate_products_bits_side_by_side():
-    shapes = {"q": (576, 576), "k": (192, 576), "v": (192, 576), "gate": (256, 576), "up": (256, 576)}
-    layer = {name: packed_linear.from_gguf(_raw(T.Q4_1, shape, seed=i), T.Q4_1, shape)
-             for i, (name, shape) in enumerate(shapes.items())}
-    x = torch.randn(9, 576)
-    separate = {name: weight.matmul(x) for name, weight in layer.items()}
-    fused = packed_linear.fuse_layer(dict(layer))
+    shapes = {"q": (576, 768), "k": (192, 768), "v": (192, 768), "gate": (256, 768), "up": (256, 768)}
+    matrices = {name: (_raw(qtype, shape, seed=i), qtype, shape)
+                for i, ((name, shape), qtype) in enumerate(zip(shapes.items(), [T.Q4_1, T.Q4_K, T.Q4_0, T.Q8_0, T.Q8_0]))}
+    x = torch.randn(9, 768)
+    separate = {name: packed_linear.from_gguf(*spec).matmul(x) for name, spec in matrices.items()}
+    fused = packed_linear.from_gguf_layer(matrices)
     assert set(fused) == {"qkv", "gate_up"}
     for name, parts in packed_linear.FUSED.items():
         assert torch.equal(fused[name].matmul(x), torch.cat([separate[part] for part in parts], dim=-1)), name
-    odd = {"q": layer["q"], "k": packed_linear.from_gguf(_raw(T.Q4_1, (48, 576)), T.Q4_1, (48, 576)), "v": layer["v"]}
-    assert set(packed_linear.fuse_layer(odd)) == {"q", "k", "v"}         # 48 rows: not a whole row block
+    odd = {**matrices, "k": (_raw(T.Q4_1, (48, 768)), T.Q4_1, (48, 768)), "up": matrices["q"]}
+    assert set(packed_linear.from_gguf_layer(odd)) == {"q", "k", "v", "gate", "up"}   # 48 rows; Q8_0 beside Q4_1
 
 
 def test_a_three_dim_input_keeps_its_leading_dims():

@@ -205,10 +205,9 @@ class GgufSource:
         else:
             out = self._workspace(stored, dtype, shared, rest)
         layer = self._decode(index, stored, out)
-        for name in kernel:
-            info = infos[name]
-            layer[name] = packed_linear.from_gguf(self._rows(name, info, stored[name]), info.qtype, info.shape)
-        return packed_linear.fuse_layer(layer)
+        matrices = {name: (self._rows(name, infos[name], stored[name]), infos[name].qtype, infos[name].shape)
+                    for name in kernel}
+        return {**layer, **packed_linear.from_gguf_layer(matrices)}
 
     def kernel_head(self) -> packed_linear.Int4Head | None:
         """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""

@@ -66,6 +66,11 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
 
+    def rows(self, start: int, stop: int) -> Int4Weight:
+        """Output rows [start, stop) (multiples of 64: whole row blocks), views of this weight's storage."""
+        return Int4Weight(self.codes[start:stop], self.scale_zeros[:, start:stop], (stop - start, self.shape[1]),
+                          self.repeat)
+
 
 @dataclass(slots=True)
 class Int4Head:
@@ -100,21 +105,28 @@ class Int4Head:
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}     # products over the same input
 
 
-def fuse_layer(layer: dict) -> dict:
-    """A layer's q/k/v and gate/up weights stacked along N into one weight each ("qkv", "gate_up"), where all
-    are Int4Weights over the same input with N a multiple of 64: one product (and one cast of its input) for
-    several. Bitwise the separate products side by side: the kernel computes each block of 64 (AVX512; 32
-    AVX2) output rows alone."""
+def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, Int4Weight]:
+    """A layer's matrices (name -> raw blocks, GGUF type, shape; all of types the kernel takes) -> Int4Weights,
+    q/k/v and gate/up stacked along N into one each ("qkv", "gate_up") where they share the input width and
+    type family and have N a multiple of 64: one product (and one cast of its input) for several, written in
+    place (no concatenation). Bitwise the separate products side by side: the kernel computes each block of 64
+    (AVX512; 32 AVX2) output rows alone."""
+    weights = {}
     for name, parts in FUSED.items():
-        weights = [layer.get(part) for part in parts]
-        if all(isinstance(w, Int4Weight) and w.shape[0] % 64 == 0 for w in weights) and \
-                len({(w.shape[1], w.repeat) for w in weights}) == 1:
-            layer[name] = Int4Weight(torch.cat([w.codes for w in weights]),
-                                     torch.cat([w.scale_zeros for w in weights], dim=1),
-                                     (sum(w.shape[0] for w in weights), weights[0].shape[1]), weights[0].repeat)
-            for part in parts:
-                del layer[part]
-    return layer
+        found = [matrices[part] for part in parts if part in matrices]
+        if len(found) < len(parts) or any(shape[0] % 64 for _, _, shape in found) or \
+                len({(shape[1], _repeat(qtype)) for _, qtype, shape in found}) != 1:
+            continue
+        num_in, repeat = found[0][2][1], _repeat(found[0][1])
+        stacked = _empty(sum(shape[0] for _, _, shape in found), num_in, repeat)
+        row = 0
+        for raw, qtype, shape in found:
+            from_gguf(raw, qtype, shape, out=stacked.rows(row, row + shape[0]))
+            row += shape[0]
+        weights[name] = stacked
+    done = {part for name in weights for part in FUSED[name]}
+    weights.update({name: from_gguf(*spec) for name, spec in matrices.items() if name not in done})
+    return weights
 
 
 def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
@@ -123,8 +135,19 @@ def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
     return codes // 2 + codes // GROUP * 4
 
 
-def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
-    """A GGUF matrix's raw blocks (uint8 [packed_nbytes], rows in torch order) -> its Int4Weight."""
+def _repeat(qtype: int) -> int:
+    return 2 if int(qtype) == int(T.Q8_0) else 1
+
+
+def _empty(num_out: int, num_in: int, repeat: int) -> Int4Weight:
+    width = num_in * repeat
+    return Int4Weight(torch.empty(num_out, width // 2, dtype=torch.uint8),
+                      torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16), (num_out, num_in), repeat)
+
+
+def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int], out: Int4Weight | None = None) -> Int4Weight:
+    """A GGUF matrix's raw blocks (uint8 [packed_nbytes], rows in torch order) -> its Int4Weight (written into
+    `out` when given: rows of a stacked weight)."""
     qtype = T(qtype)
     if not takes(qtype, shape):
         raise ValueError(f"{qtype.name} {tuple(shape)} cannot multiply packed: the int4 kernel takes "
@@ -134,10 +157,9 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
         raise ValueError(f"{qtype.name} {tuple(shape)} needs {packed_nbytes(qtype, shape)} bytes, got {raw.numel()}")
     if raw.data_ptr() % 4 != 0 or not raw.is_contiguous():
         raw = raw.clone(memory_format=torch.contiguous_format)                  # int32 views need 4-byte alignment
-    repeat = 2 if qtype == T.Q8_0 else 1
+    out = _empty(num_out, num_in, _repeat(qtype)) if out is None else out
+    codes, scale_zeros, repeat = out.codes, out.scale_zeros, out.repeat
     width = num_in * repeat
-    codes = torch.empty(num_out, width // 2, dtype=torch.uint8)
-    scale_zeros = torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16)
     row_bytes = raw.numel() // num_out
     block_bytes = QUANT_SIZES[qtype][1]
     step = max(1, REPACK_CODES // width // 64) * 64       # a multiple of 64 rows: the layout's row blocks stay whole
@@ -148,10 +170,10 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
         quants = quants.view(stop - start, -1, GROUP)
         if repeat == 2:   # each block's high nibbles, then its low ones: the hi products over K, then the lo ones
             quants = quants.view(stop - start, -1, 2, GROUP).transpose(1, 2)
-        codes[start:stop] = pack_codes(quants.reshape(stop - start, width))
+        pack_codes(quants.reshape(stop - start, width), out=codes[start:stop])
         scale_zeros[:, start:stop, 0] = _by_group(scale, stop - start, repeat).t()
         scale_zeros[:, start:stop, 1] = _by_group(zero, stop - start, repeat).t()
-    return Int4Weight(codes, scale_zeros, (num_out, num_in), repeat)
+    return out
 
 
 # Rows interleaved per byte by torch's converter (aten/src/ATen/native/cpu/int4mm_kernel.cpp), by CPU dispatch:
@@ -160,15 +182,15 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> Int4Weight:
 _ROW_BLOCK = {"AVX512": 64, "AVX2": 32}
 
 
-def pack_codes(codes: Tensor) -> Tensor:
-    """codes [N, K] uint8 in 0..15 -> [N, K / 2] uint8, what _convert_weight_to_int4pack_for_cpu makes of them
-    as int32 on this CPU, built with a few uint8 operations (the converter's loop over int32 copies runs
-    slower than decoding the blocks to fp32)."""
+def pack_codes(codes: Tensor, out: Tensor | None = None) -> Tensor:
+    """codes [N, K] uint8 in 0..15 -> [N, K / 2] uint8 (into `out`, contiguous, when given), what
+    _convert_weight_to_int4pack_for_cpu makes of them as int32 on this CPU, built with a few uint8 operations
+    (the converter's loop over int32 copies runs slower than decoding the blocks to fp32)."""
+    num_rows, width = codes.shape
+    packed = torch.empty(num_rows, width // 2, dtype=torch.uint8) if out is None else out
     block = _ROW_BLOCK.get(torch.backends.cpu.get_cpu_capability())
     if block is None:
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    num_rows, width = codes.shape
-    packed = torch.empty(num_rows, width // 2, dtype=torch.uint8)
+        return packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
     full = num_rows // block * block
     lanes = codes[:full].view(-1, 2, block // 32, 16, width)                    # [blocks, low/high, pairs, 16, K]
     pairs = lanes[:, 1].bitwise_left_shift(4).bitwise_or_(lanes[:, 0])          # [blocks, pairs, 16, K]
