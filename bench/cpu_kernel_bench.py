@@ -28,6 +28,7 @@ from offload import LoadOptions
 from offload.loader import streaming_device_budget
 from runtime.models import load_model
 
+ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("dense", "packed")
 PARTS = ("crossover", "decode", "stream", "quality")
 PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -93,28 +94,28 @@ def _greedy_steps(model, prompt: list[int], new_tokens: int):
     return steps
 
 
-def decode(models: dict, repeats: int, new_tokens: int, llama_cpp: bool) -> dict:
+def decode(models: dict, repeats: int, new_tokens: int, llama_cpp: Path | None) -> dict:
     ids = _chat_ids(models["dense"].tokenizer, 1)[0]
     seconds = _alternate({k: _greedy_steps(m.model, ids, new_tokens) for k, m in models.items()}, repeats)
     rates = {k: round((new_tokens - 1) / s, 2) for k, s in seconds.items()}
     result = {"new_tokens": new_tokens, "prompt_tokens": len(ids), "tokens_per_second": rates,
               "packed_over_dense_speed": round(rates["packed"] / rates["dense"], 3)}
     if llama_cpp:
-        result["llama_cpp"] = _llama_cpp(models["dense"], ids, new_tokens, repeats)
+        result["llama_cpp"] = _llama_cpp(models["dense"], ids, new_tokens, repeats, llama_cpp)
         if "tokens_per_second" in result["llama_cpp"]:
             theirs = result["llama_cpp"]["tokens_per_second"]
             result["over_llama_cpp"] = {k: round(rate / theirs, 3) for k, rate in rates.items()}
     return result
 
 
-def _llama_cpp(loaded, ids: list[int], new_tokens: int, rounds: int) -> dict:
-    """llama.cpp (llama-cpp-python in .venv-peers, as bench all runs it) on the same file, ids and threads."""
+def _llama_cpp(loaded, ids: list[int], new_tokens: int, rounds: int, python: Path) -> dict:
+    """llama.cpp (llama-cpp-python in `python`'s environment, .venv-peers as bench all runs it, built as
+    scripts/setup_peers.sh builds it) on the same file, ids and threads."""
     import subprocess
-    from bench.peers import PEERS_PYTHON
     from offload.weights.gguf_model import gguf_file_of
-    if not PEERS_PYTHON.exists():
-        return {"skipped": ".venv-peers is missing: run scripts/setup_peers.sh --llama-cpp"}
-    cmd = [str(PEERS_PYTHON), str(Path(__file__).with_name("llama_cpp_runner.py")), "--model",
+    if not python.exists():
+        return {"skipped": f"{python} is missing: run scripts/setup_peers.sh --llama-cpp"}
+    cmd = [str(python), str(Path(__file__).with_name("llama_cpp_runner.py")), "--model",
            str(gguf_file_of(loaded.path)), "--ids", json.dumps(ids), "--max-new-tokens", str(new_tokens),
            "--threads", str(torch.get_num_threads())]
     runs = []
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--tokens-per-domain", type=int, default=4096)
     parser.add_argument("--spec-prompts", type=int, default=8)
-    parser.add_argument("--llama-cpp", action="store_true", help="decode: also llama.cpp from .venv-peers")
+    parser.add_argument("--llama-cpp", nargs="?", type=Path, const=ROOT / ".venv-peers/bin/python", default=None,
+                        metavar="PYTHON", help="decode: also llama.cpp, from this Python's environment "
+                                               "(default: .venv-peers)")
     parser.add_argument("--stream-synthetic", default=None, metavar="TYPE",
                         help="stream: bench stream's synthetic GGUF of this type (q4_k, q8_0: 8x the default's shapes, "
                              "2.5 GB of layers) instead of --target")

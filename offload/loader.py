@@ -176,7 +176,10 @@ def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
     layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
-    return Engine(DecoderModel(config, globals_, layers, device, dtype), layers, plan, global_bytes, on_kernel)
+    model = DecoderModel(config, globals_, layers, device, dtype)
+    if on_kernel:                # its layers attend in float64: the KV cache holds float64 (layers.py)
+        model.cache_dtype = torch.float64
+    return Engine(model, layers, plan, global_bytes, on_kernel)
 
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,
@@ -195,7 +198,8 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         device_budget=options.gpu_mem or default_device_memory(device),
         host_budget=options.ram or default_host_memory(),
         draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
-        dtype_bytes=dtype.itemsize, ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
+        dtype_bytes=8 if on_packed_kernel(source, options, device) else dtype.itemsize,   # a float64 KV cache
+        ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",
         num_sequences=options.num_sequences)
 

@@ -19,6 +19,7 @@ from offload.weights.packed_linear import FUSED, Int4Head, Int4Weight
 from offload.weights.resolve import resolve_model
 from offload.weights.safetensors_io import write_safetensors
 from offload.weights.source import CheckpointSource
+import textdata
 from spec.tree import Tree
 from test_gguf_import import reference_tensors
 from test_gguf_inplace import _options, write_tiny_gguf
@@ -133,3 +134,21 @@ def test_a_tree_pass_gives_each_row_the_bits_of_one_token_passes(default_packed,
             logits = model.forward(tree.tokens[step:step + 1][None], cache).logits[0, -1]   # [V]
             cache.commit()
         assert torch.equal(logits.view(torch.int32), rows[node].view(torch.int32)), node
+
+
+@pytest.mark.e2e
+def test_packed_speculation_equals_packed_one_token_decoding(default_packed):
+    """Through the decode loop (a slot cache of float64 keys): the default draft's trees at budget 16 give the
+    tokens one-token greedy decoding gives, on two chat prompts."""
+    from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
+    target = default_packed
+    draft = load_any_draft(str(default_draft_for(None)), target, LoadOptions(device="cpu", max_context=2048))
+    config = DecodeConfig(24, 2048, max_pass_tokens=1024)
+    reference = Decoder(target.model, target.stop_ids, config)
+    speculative = Decoder(target.model, target.stop_ids, config, Speculator(draft, 2048, 16), FixedBudget(16))
+    assert reference.cache.keys.dtype == torch.float64
+    for row in textdata.records(textdata.CHAT_PROMPTS)[:2]:
+        ids = target.tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}])
+        result = speculative.generate(ids, SamplingConfig())
+        assert result.token_ids == reference.generate(ids, SamplingConfig()).token_ids
+        assert result.stats.tokens_per_pass > 1

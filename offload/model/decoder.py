@@ -49,9 +49,12 @@ class DecoderModel:
         self.lm_head = globals_.get("lm_head", self.embed)
         self.rotary = Rotary(config.rope, config.head_dim, config.max_position, device)
         self.num_passes = 0
+        # float64 where the layers attend in float64 (products by a row-exact kernel: layers.py), so that keys
+        # and values are cast once, at their append, not at every pass
+        self.cache_dtype = dtype
 
     def new_cache(self, max_length: int, batch_size: int = 1) -> KVCache:
-        return KVCache(self.config, max_length, self.device, self.dtype, batch_size)
+        return KVCache(self.config, max_length, self.device, self.cache_dtype, batch_size)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,

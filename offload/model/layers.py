@@ -47,14 +47,18 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
         q = rms_norm(q, w["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], config.rms_norm_eps)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
-    gqa = config.num_heads != config.num_kv_heads
     # Products by a row-exact kernel (packed_linear: each row's bits whatever the rows beside it) attend in
     # float64 rounded back: a row's softmax and weighted sum then do not depend on the key count, order or
     # blocking (a one-token pass and a tree pass sum differently), so a tree row gets a one-token pass's bits.
-    exact = getattr(w.get("qkv", w.get("q")), "is_row_exact", False)
+    # Such a model's cache holds float64 (DecoderModel.cache_dtype): keys and values are cast once, here; its
+    # layers whose products the kernel cannot take attend so too.
+    exact = cache.keys.dtype == torch.float64 or getattr(w.get("qkv", w.get("q")), "is_row_exact", False)
     if exact:
-        q, keys, values = q.double(), keys.double(), values.double()
+        q, k, v = q.double(), k.to(cache.keys.dtype), v.to(cache.keys.dtype)
+    keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
+    if exact:
+        keys, values = keys.double(), values.double()                      # no copy from a float64 cache
+    gqa = config.num_heads != config.num_kv_heads
     segments = cache.segments() if hasattr(cache, "segments") else None   # a slot cache's per-sequence blocks
     if segments is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
