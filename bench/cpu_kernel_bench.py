@@ -6,6 +6,7 @@
 crossover  one pass of M new tokens (M = 1..512) after a 128-token context: packed / dense seconds
 decode     greedy one-token decoding, resident: tokens per second, packed and dense (prefill excluded), and
            with --llama-cpp llama.cpp on the same file, prompt ids and threads
+context    one-token steps after 100-1,900 tokens: packed attending in float64 (exact), in fp32, and dense
 stream     every layer streamed from RAM: one-token pass seconds; and one layer repacked vs decoded
 quality    perplexity on held-out code, prose and math (bench quant's texts), greedy answers to the chat
            prompts identical to dense fp32, and packed speculation (the default draft) identical to packed
@@ -30,7 +31,7 @@ from runtime.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("dense", "packed")
-PARTS = ("crossover", "decode", "stream", "quality")
+PARTS = ("crossover", "decode", "context", "stream", "quality")
 PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128
 
@@ -129,6 +130,42 @@ def _llama_cpp(loaded, ids: list[int], new_tokens: int, rounds: int, python: Pat
             "llama_cpp_python": runs[-1].get("llama_cpp_python_version")}
 
 
+CONTEXTS = (100, 1000, 1900)
+
+
+def context(models: dict, repeats: int) -> dict:
+    """What exactness costs: packed one-token steps after 100-1,900 tokens of context, attending in float64 over
+    the float64 KV cache (row-exact) against fp32 over an fp32 cache (not row-exact), and dense fp32."""
+    from offload.model.kvcache import KVCache
+    from offload.weights.packed_linear import Int4Weight
+    from quant.calibration_data import documentation_prose
+    ids = models["dense"].tokenizer.encode(documentation_prose(0))[:max(CONTEXTS)]
+    rows = []
+    for length in CONTEXTS:
+        steps = {}
+        for name, loaded, cache_dtype in (("packed_float64", models["packed"], torch.float64),
+                                          ("packed_fp32", models["packed"], torch.float32),
+                                          ("dense", models["dense"], torch.float32)):
+            cache = KVCache(loaded.config, length + 2, torch.device("cpu"), cache_dtype)
+            loaded.model.forward(torch.tensor([ids[:length]]), cache)
+            cache.commit()
+            steps[name] = _step(loaded.model, cache, length, exact=name != "packed_fp32")
+        seconds = _alternate(steps, repeats)
+        rows.append({"context": length, **{f"{k}_ms": round(v * 1e3, 2) for k, v in seconds.items()}})
+    Int4Weight.is_row_exact = True
+    return {"steps": rows}
+
+
+def _step(model, cache, length: int, exact: bool):
+    from offload.weights.packed_linear import Int4Weight
+
+    def step():
+        Int4Weight.is_row_exact = exact         # off: fp32 attention (layers.py), for this measurement only
+        cache.truncate(length)
+        model.forward(torch.tensor([[42]]), cache)
+    return step
+
+
 def stream(target: str | None, repeats: int) -> dict:
     models = {}
     for kernel in KERNELS:
@@ -213,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         result["crossover"] = crossover(models, args.repeats)
     if "decode" in parts:
         result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, args.llama_cpp)
+    if "context" in parts:
+        result["context"] = context(models, args.repeats)
     if "stream" in parts:
         target = args.target
         if args.stream_synthetic:
@@ -236,6 +275,9 @@ def _headline(part: str, value: dict) -> str:
         return f"packed slower from {value['packed_slower_from']} tokens per pass"
     if part == "decode":
         return f"{value['tokens_per_second']} tok/s"
+    if part == "context":
+        return "one-token step ms " + ", ".join(f"{r['context']}: {r['packed_float64_ms']}/{r['packed_fp32_ms']}/"
+                                               f"{r['dense_ms']}" for r in value["steps"]) + " (float64/fp32/dense)"
     if part == "stream":
         return f"packed/dense one-token pass {value['packed_over_dense']}, repack/decode {value['repack_over_decode']}"
     return (f"perplexity +{value['perplexity_increase_percent']}%, {value['greedy_identical_to_dense']}/"
