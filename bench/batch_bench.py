@@ -31,6 +31,14 @@ from spec.draft import load_any_draft, require_draft
 from bench.spec_bench import DISK_COLD_RESIDENT_LAYERS, MIN_PASS_TOKENS
 
 TIERS = ("ram", "disk")
+
+
+def check_tiers(tiers: list[str]) -> None:
+    """--tiers names ram and/or disk, at least one."""
+    if not tiers or any(t not in TIERS for t in tiers):
+        raise ValueError(f"--tiers takes {','.join(TIERS)}; got {','.join(tiers) or 'nothing'}")
+
+
 MODES = ("autoregressive", "speculative")
 WARMUP_TOKENS = 2
 Status = Callable[[str], None]
@@ -52,9 +60,7 @@ class BatchBenchConfig:
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) <= 0:
             raise ValueError(f"--batch-sizes needs positive sizes, e.g. 1,2,4; got {self.batch_sizes}")
-        unknown = [t for t in self.tiers if t not in TIERS]
-        if unknown or not self.tiers:
-            raise ValueError(f"--tiers takes {','.join(TIERS)}; got {','.join(self.tiers) or 'nothing'}")
+        check_tiers(self.tiers)
         if self.max_new_tokens <= 0:
             raise ValueError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
         if self.budget is not None and self.budget < 1:

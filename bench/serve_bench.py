@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bench.batch_bench import TIERS, check_tiers
 from bench.serve_clients import figures, one_after_another, together
 from bench.spec_bench import DISK_COLD_RESIDENT_LAYERS
 
-TIERS = ("ram", "disk")
 WARMUP_TOKENS = 2
 GOAL_DISK_8 = 5.0           # issue 38: 8 clients from a cold disk, against one after another
 Status = Callable[[str], None]
@@ -38,9 +38,7 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if not self.clients or min(self.clients) <= 0:
             raise ValueError(f"--clients needs positive counts, e.g. 1,4,8; got {self.clients}")
-        unknown = [t for t in self.tiers if t not in TIERS]
-        if unknown or not self.tiers:
-            raise ValueError(f"--tiers takes {','.join(TIERS)}; got {','.join(self.tiers) or 'nothing'}")
+        check_tiers(self.tiers)
         if self.max_new_tokens <= 0:
             raise ValueError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
 

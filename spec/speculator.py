@@ -22,6 +22,7 @@ from .draft import Draft
 from .grow import HOST, Growth, GrowthConfig, expansion_mask
 from .lookup import ContextLookup
 from .penalties import Penalties
+from .requests import common_prefix
 from .tree import Tree, path_tokens
 
 
@@ -129,12 +130,8 @@ class Speculator:
         rests = []
         for proposal in proposals:
             sequence = proposal.committed_ids + [proposal.root]
-            cached, common = self.cached_ids[proposal.slot], 0
-            for seen, wanted in zip(cached, sequence):
-                if seen != wanted:
-                    break
-                common += 1
-            common = min(common, len(sequence) - 1)     # the root is fed again for its log-probs
+            cached = self.cached_ids[proposal.slot]
+            common = min(common_prefix(cached, sequence), len(sequence) - 1)     # the root is fed again for its log-probs
             self.cache.truncate(proposal.slot, common)
             del cached[common:]
             rests.append(sequence[common:])
