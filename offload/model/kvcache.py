@@ -59,6 +59,10 @@ class KVCache:
         return torch.cat((committed, pending.to(committed.device)), dim=1)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
     def num_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 

@@ -52,9 +52,11 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     # blocking (a one-token pass and a tree pass sum differently), so a tree row gets a one-token pass's bits.
     # Such a model's cache holds float64 (DecoderModel.cache_dtype): keys and values are cast once, here; its
     # layers whose products the kernel cannot take attend so too.
-    exact = cache.keys.dtype == torch.float64 or getattr(w.get("qkv", w.get("q")), "is_row_exact", False)
+    # (a cache that keeps nothing, as training's and calibration's, has no dtype: it stores nothing to cast)
+    stores_float64 = getattr(cache, "dtype", None) == torch.float64
+    exact = stores_float64 or getattr(w.get("qkv", w.get("q")), "is_row_exact", False)
     if exact:
-        q, k, v = q.double(), k.to(cache.keys.dtype), v.to(cache.keys.dtype)
+        q, k, v = q.double(), k.double(), v.double()
     keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
     if exact:
         keys, values = keys.double(), values.double()                      # no copy from a float64 cache

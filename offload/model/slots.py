@@ -47,6 +47,10 @@ class SlotCache:
         self._span: tuple[int, int, int] | None = None                 # a one-slot pass: first, first new, end row
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
     def num_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
