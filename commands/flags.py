@@ -9,8 +9,9 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 
 TARGET_HELP = "target model: HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M-Instruct)"
-DRAFT_HELP = ("draft for speculative decoding: a distilled draft folder, or any model folder, .gguf or Hub id with the "
-              "target's tokenizer (default: the target's shipped draft, if any)")
+DRAFT_HELP = ("draft for speculative decoding: self (the target with low-bit substitutes of its streamed layers), a "
+              "distilled draft folder, or any model folder, .gguf or Hub id with the target's tokenizer (default: the "
+              "target's shipped draft, if any)")
 
 
 def add_target(parser, help: str = TARGET_HELP) -> None:
@@ -51,6 +52,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     add_cpu_kernel(group)
     add_draft(group)
     group.add_argument("--no-draft", action="store_true", help="never use a draft model (default: off)")
+    group.add_argument("--draft-bits", type=int, default=None, choices=(2, 3, 4),
+                       help="--draft self: bits per substitute weight (default: the most that fit beside the resident "
+                            "layers)")
     group.add_argument("--judge", default=None,
                        help="AutoJudge file or 'default': also accept draft tokens it scores unimportant (lossy: "
                             "the answer may differ from the target's) (default: off, exact)")

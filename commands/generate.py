@@ -64,6 +64,7 @@ def open_session(args, console, **batch):
     config = RuntimeConfig(args.target, args.draft, args.no_draft, args.device, args.dtype, args.context,
                            args.download, gpu_mem, ram, args.disk_cold, parse_budget(args.budget), args.judge,
                            args.judge_threshold, gguf_import=args.gguf_import, cpu_kernel=args.cpu_kernel,
+                           draft_bits=args.draft_bits,
                            **batch)
     session = Session(config, on_status=lambda msg: console.print(f"[dim]{msg}[/dim]", highlight=False),
                       on_warning=lambda msg: console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False),

@@ -54,6 +54,7 @@ class LoadOptions:
     # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: "packed" multiplies them as stored with torch's int4
     # kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
     cpu_kernel: str = DEFAULT_CPU_KERNEL
+    substitute_layer_bytes: int = 0 # a self-draft's low-bit copy of each streamed layer, kept on the device
 
     def __post_init__(self) -> None:
         check_names(self.device, self.dtype)
@@ -109,6 +110,11 @@ def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> i
     """The --gpu-mem at which this model, loaded with `options`, keeps only `resident_layers` decoder
     layers on the device and streams the rest (its layer bytes as stored: packed formats count packed)."""
     return streaming_budget(_request_for(options), resident_layers)
+
+
+def plan_for(options: LoadOptions) -> Plan:
+    """The plan load_model would make for `options`, without loading any weights (PlanError if none fits)."""
+    return make_plan(_request_for(options))
 
 
 def largest_batch_for(options: LoadOptions, limit: int = 1024) -> int:
@@ -201,7 +207,7 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         dtype_bytes=8 if on_packed_kernel(source, options, device) else dtype.itemsize,   # a float64 KV cache
         ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",
-        num_sequences=options.num_sequences)
+        num_sequences=options.num_sequences, substitute_layer_bytes=options.substitute_layer_bytes)
 
 
 # A CPU's ring holds up to this many bytes of layers (2 to 6 layers): a pass's work that streams nothing (resident

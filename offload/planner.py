@@ -54,6 +54,9 @@ class PlanRequest:
     # packed bytes take to stream (make_plan's only speed input); None: never kept packed.
     decode_vs_transfer: float | None = None
     resident_packed: bool = False  # make_plan's choice: device layers of a decode-once source kept packed
+    # A self-draft (spec/self_draft.py) keeps a low-bit substitute of every streamed layer on the device: each
+    # layer that streams costs these bytes there, so resident layers and substitutes share the device budget.
+    substitute_layer_bytes: int = 0
 
     @property
     def device_layer_bytes(self) -> int:
@@ -206,8 +209,9 @@ def streaming_budget(request: PlanRequest, resident_layers: int = 0) -> int:
     """The device budget that holds what never streams, the ring, `resident_layers` decoder layers and
     half a layer of slack: every other layer streams."""
     fixed = sum(item.num_bytes for item in _fixed_items(request))
+    substitutes = (request.config.num_layers - resident_layers) * request.substitute_layer_bytes
     return (fixed + request.ring_size * request.ring_slot_bytes + resident_layers * request.device_layer_bytes
-            + request.layer_bytes // 2)
+            + substitutes + request.layer_bytes // 2)
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -257,7 +261,7 @@ def _make_plan(request: PlanRequest) -> Plan:
             f"{format_bytes(fixed_bytes + ring)} is needed ({format_bytes(fixed_bytes)} resident + "
             f"{request.ring_size} x {format_bytes(request.ring_slot_bytes)} ring buffers); raise --gpu-mem "
             f"or lower --context / --budget")
-    num_device = min((request.device_budget - fixed_bytes - ring) // request.device_layer_bytes, cfg.num_layers)
+    num_device = _num_device_layers(request, request.device_budget - fixed_bytes - ring)
     num_ram = min(request.host_budget // request.layer_bytes, cfg.num_layers - num_device)
     tier_of = ["device"] * num_device + ["ram"] * num_ram + ["disk"] * (cfg.num_layers - num_device - num_ram)
     items = fixed + [PlanItem(f"ring buffers ({request.ring_size} x 1 layer)", "device", ring)]
@@ -265,8 +269,22 @@ def _make_plan(request: PlanRequest) -> Plan:
     return Plan(request, tier_of, items)
 
 
+def _num_device_layers(request: PlanRequest, room: int) -> int:
+    """Resident layers in `room` bytes; with substitutes, n layers + (L - n) substitutes must fit."""
+    num_layers, layer, substitute = request.config.num_layers, request.device_layer_bytes, request.substitute_layer_bytes
+    if not substitute:
+        return min(room // layer, num_layers)
+    room -= num_layers * substitute
+    if room < 0:
+        raise PlanError(f"the self-draft's substitutes ({num_layers} x {format_bytes(substitute)}) do not fit the "
+                        f"device budget {format_bytes(request.device_budget)} beside what never streams; use fewer "
+                        f"bits (--draft-bits), another draft, or raise --gpu-mem")
+    return min(room // max(layer - substitute, 1), num_layers)
+
+
 def _layer_items(tier_of: list[str], request: PlanRequest) -> list[PlanItem]:
-    items, start = [], 0
+    items = _substitute_items(tier_of, request)
+    start = 0
     for index in range(1, len(tier_of) + 1):
         if index == len(tier_of) or tier_of[index] != tier_of[start]:
             where = f"streamed {tier_of[start]}" if tier_of[start] != "device" else "device"
@@ -279,6 +297,14 @@ def _layer_items(tier_of: list[str], request: PlanRequest) -> list[PlanItem]:
                                   tier_of[start], (index - start) * layer_bytes))
             start = index
     return items
+
+
+def _substitute_items(tier_of: list[str], request: PlanRequest) -> list[PlanItem]:
+    num_streamed = sum(tier != "device" for tier in tier_of)
+    if not request.substitute_layer_bytes or not num_streamed:
+        return []
+    return [PlanItem(f"self-draft substitutes ({num_streamed} streamed layers)", "device",
+                     num_streamed * request.substitute_layer_bytes)]
 
 
 def request_from_config(config: ModelConfig, dtype_bytes: int, device_budget: int, host_budget: int,

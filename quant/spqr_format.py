@@ -225,6 +225,11 @@ class SpqrLinear:
     def _dequantize(self) -> Tensor:
         return self.matrix.dequantize(self.dtype, permuted=True, statistics=self.statistics)
 
+    def dense(self) -> Tensor:
+        """[out, in] in the layer's own column order (W[:, perm] is what matmul multiplies)."""
+        weight = self._dequantize()
+        return weight[:, torch.argsort(self.matrix.perm.long())] if self.matrix.is_permuted else weight
+
 
 def packed_linears(matrices: dict[str, SpqrMatrix], dtype: torch.dtype) -> dict[str, SpqrLinear]:
     """A layer's packed weights; where the torch path will dequantize them, their group statistics are

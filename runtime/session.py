@@ -18,6 +18,9 @@ from spec.draft import is_draft_folder, load_draft
 from .models import load_model, weight_formats
 from .speculation import (DraftUnavailable, choose_draft, draft_dtype_bytes, estimated_draft_footprint,
                           load_draft_for, max_budget_for)
+from spec.self_draft import SELF_DRAFT, SubstituteConfig, load_self_draft
+from spec.self_speculator import SelfSpeculator
+from .self_drafting import SELF_DRAFT_MAX_DEPTH, choose_substitutes, streams_without_draft
 from .stop import HeldBackText, StopStrings
 
 
@@ -49,10 +52,15 @@ class RuntimeConfig:
     batch_size: int | None = 1      # sequences decoded together (a KV cache slot each); None: auto, from the plan
     max_batch: int = 64             # the most auto picks (e.g. the number of requests to answer)
     cpu_kernel: str = DEFAULT_CPU_KERNEL    # a GGUF's matrices on the CPU: packed (int4 kernel) or dense (fp32)
+    draft_bits: int | None = None   # --draft self: bits per substitute weight (None: the most that fit)
 
     def __post_init__(self) -> None:
         if self.draft and self.no_draft:
             raise ValueError("--draft and --no-draft exclude each other")
+        if self.draft_bits is not None:
+            SubstituteConfig(self.draft_bits)
+            if self.draft != SELF_DRAFT:
+                raise ValueError("--draft-bits sizes a self-draft's substitutes: give it with --draft self")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch size must be 'auto' or a positive integer, got {self.batch_size}")
         if self.max_context < 16:
@@ -82,6 +90,7 @@ class Session:
         """on_status(text), on_warning(text): one-line messages; on_progress(done, total): a GGUF import."""
         self.config = config
         self.draft_choice = choose_draft(config.target, config.draft, config.no_draft)
+        self.substitutes: SubstituteConfig | None = None      # a self-draft's, once the plan has room for them
         max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
         self.target, max_budget = self._load_target(max_budget, on_status, on_progress)
         self.tokenizer = self.target.tokenizer
@@ -93,12 +102,20 @@ class Session:
         self.batch_size = self._fitted_batch_size(budget, on_status)
         if self.batch_size < self.target.plan.request.num_sequences:     # the plan counts what is allocated
             self.target.plan = with_batch(self.target.plan, self.batch_size)
+        is_self = self.draft is not None and self.draft.is_self
         decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens,
-                              max_slots=self.batch_size)
+                              max_slots=self.batch_size, **({"max_depth": SELF_DRAFT_MAX_DEPTH} if is_self else {}))
+        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, self._speculator(decode), budget,
+                               self.policy)
+
+    def _speculator(self, decode: DecodeConfig) -> Speculator | None:
+        if self.draft is None:
+            return None
+        if self.draft.is_self:            # drafts in the decoder's own cache
+            return SelfSpeculator(self.draft, decode.max_pass_tokens, self.batch_size)
         # the draft's cache is sized for the largest pass the plan sized its own for (draft_slot_tokens)
-        speculator = Speculator(self.draft, config.max_context, decode.max_pass_tokens, decode.max_pass_tokens,
-                                self.batch_size) if self.draft else None
-        self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, speculator, budget, self.policy)
+        return Speculator(self.draft, self.config.max_context, decode.max_pass_tokens, decode.max_pass_tokens,
+                          self.batch_size)
 
     def _load_target(self, max_budget: int, on_status, on_progress) -> tuple[LoadedModel, int]:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
@@ -115,11 +132,24 @@ class Session:
                                        cpu_kernel=config.cpu_kernel)
             self.options.num_sequences = self._batch_size(self.options)
             try:
+                if spec == SELF_DRAFT:
+                    self._plan_substitutes(on_status)
                 return _load_target(self.options, on_status, on_progress), max_budget
             except PlanError as err:
                 if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
                     raise UserError(str(err)) from None
                 max_budget //= 2
+
+    def _plan_substitutes(self, on_status) -> None:
+        """Room in the plan for a self-draft's substitutes; none where every layer is resident without them (the
+        self-draft would be the target: decoding goes on without a draft)."""
+        if not streams_without_draft(self.options):
+            self.draft_choice = choose_draft(None, None, True)
+            if on_status:
+                on_status("self-draft: every layer is resident, so it would cost what the target costs; "
+                          "decoding without a draft")
+            return
+        self.substitutes, self.options = choose_substitutes(self.options, self.config.draft_bits)
 
     def _batch_size(self, options: LoadOptions) -> int:
         """The batch the plan sizes the KV cache for: the configured one, or auto's pick."""
@@ -139,12 +169,20 @@ class Session:
         return throughput_batch(curve, planned)
 
     @property
-    def draft_path(self) -> Path | None:
-        return self.draft.path if self.draft else None
+    def draft_name(self) -> str | None:
+        """The draft's folder, or what a self-draft substitutes (None without a draft)."""
+        if self.draft is None:
+            return None
+        if self.draft.is_self:
+            return (f"self ({self.substitutes.bits}-bit substitutes of {self.draft.model.layers.num_substitutes} "
+                    f"streamed layers)")
+        return str(self.draft.path)
 
     def _load_draft(self, on_status, on_warning, on_progress):
         if not self.draft_choice.spec:
             return None
+        if self.draft_choice.spec == SELF_DRAFT:
+            return load_self_draft(self.target, self.substitutes, on_status)
         draft_options = LoadOptions(None, self.config.device, "auto", self.config.allow_download,
                                     gpu_mem=self.config.gpu_mem, max_context=self.config.max_context,
                                     max_pass_tokens=self.options.max_pass_tokens, formats=weight_formats(),
@@ -231,7 +269,9 @@ class Session:
             return int(torch.cuda.max_memory_allocated())
         # On the CPU the engine accounts for its own device memory: weights, ring buffers, KV cache.
         speculator = self.decoder.speculator
-        draft = self.draft.device_bytes + speculator.cache.num_bytes if speculator else 0
+        draft = self.draft.device_bytes if speculator else 0
+        if speculator and not self.draft.is_self:        # a self-draft's cache is the decoder's
+            draft += speculator.cache.num_bytes
         return self.target.device_bytes + self.decoder.cache.num_bytes + draft
 
     def engine_stats(self) -> dict:
@@ -257,7 +297,7 @@ class Session:
             "stop_reason": stats.stop_reason,
             "device": str(self.target.model.device),
             "dtype": str(self.target.model.dtype).removeprefix("torch."),
-            "draft": str(self.draft_path) if self.draft_path else None,
+            "draft": self.draft_name,
             "speculative": stats.speculative,
             "lossy": self.policy is not None,
             "judge_accepted": stats.policy_accepted,

@@ -9,6 +9,7 @@ from offload.model.config import ModelConfig
 from offload.devices import choose_device, choose_draft_dtype, choose_dtype
 from offload.planner import kv_cache_bytes
 from spec import Draft, default_draft_for, load_any_draft
+from spec.self_draft import SELF_DRAFT
 from offload.weights.resolve import ModelNotFoundError
 from spec.draft_folder import is_draft_folder, read_draft_info, read_model_config
 from spec.tokenizer_match import TokenizerMismatchError
@@ -66,7 +67,8 @@ def draft_dtype_bytes(spec: str | None, device: str) -> int:
 
 
 def estimated_draft_footprint(spec: str | None, dtype_bytes: int) -> DraftFootprint:
-    config = _draft_config(spec)
+    """A self-draft's substitutes are planned as the layers they replace (LoadOptions.substitute_layer_bytes)."""
+    config = None if spec == SELF_DRAFT else _draft_config(spec)
     if config is None:
         return DraftFootprint()
     folder = Path(spec).expanduser()

@@ -28,7 +28,10 @@ class Decoder:
         self.target, self.stop_ids, self.config = target, set(stop_ids), config
         self.speculator, self.budget = speculator, budget or FixedBudget(1)
         self.policy = policy or ExactMatch()
-        self.cache = SlotCache(target.config, config.max_slots, config.max_context, target.device, target.cache_dtype)
+        rows = config.max_context + (speculator.shared_cache_rows if speculator else 0)
+        self.cache = SlotCache(target.config, config.max_slots, rows, target.device, target.cache_dtype)
+        if speculator:
+            speculator.bind(self.cache)
         self.slot_ids: list[list[int]] = [[] for _ in range(config.max_slots)]   # committed tokens per slot
         self.active: list[Sequence] = []
         self.free = list(range(config.max_slots))

@@ -120,8 +120,9 @@ def _derived_from(target: str) -> str | None:
 class Draft:
     """What tree growth needs of a draft: log-probabilities over its K output rows and each row's target id."""
 
-    def __init__(self, loaded: LoadedModel, target_vocab_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, target_vocab_size: int, is_self: bool = False) -> None:
         self.loaded, self.model = loaded, loaded.model
+        self.is_self = is_self          # the target with substitute layers (spec/self_draft.py): shares its cache
         self.is_trimmed = isinstance(loaded.model, DraftDecoderModel)
         if self.is_trimmed:
             self.vocab_map = loaded.model.vocab_map                                  # [K]

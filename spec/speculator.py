@@ -37,6 +37,8 @@ class Proposal:
 
 
 class Speculator:
+    shared_cache_rows = 0     # rows a speculator that drafts in the target's cache needs past each slot's context
+
     def __init__(self, draft: Draft, max_context: int, max_budget: int, max_pass_tokens: int = 512,
                  max_slots: int = 1) -> None:
         self.draft, self.max_pass_tokens = draft, max_pass_tokens
@@ -48,6 +50,13 @@ class Speculator:
         self.vocab_map = draft.vocab_map.to(HOST)        # [K] target id of each draft row
         self.forward_seconds = 0.0                        # draft compute of the last propose
         self.num_draft_forwards = 0
+
+    def bind(self, target_cache: SlotCache) -> None:
+        """The decoder's cache (a draft with a cache of its own ignores it)."""
+
+    def _committed_rows(self, slot: int) -> int:
+        """Rows of `slot` every tree node attends to: the committed sequence (the root's keys are among them)."""
+        return self.cache.lengths[slot]
 
     def _new_lookup(self) -> ContextLookup | None:
         return ContextLookup(self.draft.vocab_map) if self.draft.is_trimmed else None
@@ -112,7 +121,7 @@ class Speculator:
             layout.append((slot, chosen.numel()))
             tokens.append(pool.tokens[chosen])
             positions.append(len(proposal.committed_ids) + pool.depths[chosen])
-            blocks.append(expansion_mask(pool, chosen, self.cache.lengths[slot], firsts[-1], device))
+            blocks.append(expansion_mask(pool, chosen, self._committed_rows(slot), firsts[-1], device))
         self.cache.begin(layout)
         logits = self.draft.logits(torch.cat(tokens)[None], self.cache, torch.cat(positions)[None],
                                    block_mask(blocks), keep_pending=True)                      # [N, K]

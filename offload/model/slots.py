@@ -114,8 +114,8 @@ class SlotCache:
             self.keys[layer, :, :, write:end] = keys
             self.values[layer, :, :, write:end] = values
             return self.keys[layer, :, :, first:end], self.values[layer, :, :, first:end]
-        self.keys[layer, :, :, self._write_rows] = keys
-        self.values[layer, :, :, self._write_rows] = values
+        self.keys[layer, :, :, self._write_rows] = keys.to(self.keys.dtype)
+        self.values[layer, :, :, self._write_rows] = values.to(self.values.dtype)
         return self.keys[layer].index_select(2, self._read_rows), self.values[layer].index_select(2, self._read_rows)
 
     # --- per-slot bookkeeping ---------------------------------------------------------------------------

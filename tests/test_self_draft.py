@@ -1,0 +1,154 @@
+"""The self-draft: low-bit substitutes made from the target's own layers, drafting in the target's own cache.
+Speculation with it must give exactly what target-only decoding gives (greedy, batched, multi-turn)."""
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import add_tiny_tokenizer, make_tiny_checkpoint
+from offload import LoadOptions, load_model
+from offload.loader import streaming_device_budget
+from offload.model.config import ModelConfig
+from offload.planner import GIB, PlanError, make_plan, request_from_config
+from quant.baselines import round_to_nearest
+from quant.lowbit import LowBitWeight, from_tensors, quantize_matrix, relative_error, substitute_weight, to_tensors
+from spec import DecodeConfig, DecodeRequest, Decoder, FixedBudget, SamplingConfig
+from spec.self_draft import SubstituteConfig, load_self_draft, substitute_layer_bytes
+from spec.self_speculator import SelfSpeculator
+
+CPU = torch.device("cpu")
+PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 12, 1, 5]]
+
+
+def _matrix(seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(96, 256, generator=generator) * 0.02
+    weight[torch.rand(weight.shape, generator=generator) < 0.002] *= 12        # a few outliers, as real layers have
+    return weight
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_refined_scales_lose_less_than_round_to_nearest(bits):
+    weight = _matrix()
+    ours = relative_error(weight, quantize_matrix(weight, bits))
+    rtn = float((weight - round_to_nearest(weight, bits, 32)).norm() / weight.norm())
+    assert ours < rtn * (0.95 if bits < 4 else 1.0), (ours, rtn)
+
+
+def test_stored_form_round_trips_and_refuses_another_shape():
+    matrix = quantize_matrix(_matrix(), 3)
+    again = from_tensors(to_tensors(matrix, "w"), "w", (96, 256), 3, 32)
+    assert torch.equal(again.codes, matrix.codes) and torch.equal(again.scale, matrix.scale)
+    with pytest.raises(ValueError, match="does not match"):
+        from_tensors(to_tensors(matrix, "w"), "w", (96, 288), 3, 32)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_substitute_products_match_the_dequantized_matrix(bits):
+    matrix = quantize_matrix(_matrix(1), bits)
+    x = torch.randn(7, 256)
+    reference = x @ matrix.dequantize().T
+    assert torch.allclose(LowBitWeight(matrix, CPU).matmul(x), reference, atol=1e-5)
+    kernel = substitute_weight(matrix, CPU)          # torch's int4 kernel: bf16 activations, scales and zeros
+    assert type(kernel).__name__ == "Int4Weight"
+    scale = matrix.scale.float().bfloat16().float()
+    zero = (matrix.offset.float() + 8 * matrix.scale.float()).bfloat16().float()
+    codes = matrix.codes.view(96, -1, 32).float()
+    rounded = ((codes - 8) * scale[..., None] + zero[..., None]).view(96, 256)
+    bf16_reference = x.bfloat16().float() @ rounded.T
+    assert (kernel.matmul(x) - bf16_reference).abs().max() <= 2 ** -7 * bf16_reference.abs().max()
+
+
+def test_the_plan_counts_substitutes_and_refuses_them_when_they_do_not_fit():
+    config = ModelConfig.from_file(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-70b")
+    bare = request_from_config(config, 2, 24 * GIB, 64 * GIB)
+    full = make_plan(bare)
+    with_substitutes = make_plan(replace(full.request, substitute_layer_bytes=bare.layer_bytes // 16))
+    streamed = sum(t != "device" for t in with_substitutes.tier_of)
+    items = [i for i in with_substitutes.items if i.component.startswith("self-draft substitutes")]
+    assert streamed and items[0].num_bytes == streamed * (bare.layer_bytes // 16)
+    assert with_substitutes.tier_of.count("device") < full.tier_of.count("device")
+    assert with_substitutes.bytes_in("device") <= full.request.device_budget
+    with pytest.raises(PlanError, match="substitutes"):
+        make_plan(replace(full.request, substitute_layer_bytes=full.request.device_budget // 10))
+
+
+@pytest.fixture(scope="module")
+def streamed_target(tmp_path_factory):
+    """A tiny 4-layer model whose plan streams 3 layers (with room for 2-bit substitutes of them)."""
+    folder, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("self"), "llama", seed=3, num_hidden_layers=4,
+                                     vocab_size=64)
+    add_tiny_tokenizer(folder, 64)
+    settings = SubstituteConfig(2)
+    options = LoadOptions(str(folder), device="cpu", dtype="fp32", max_context=128, max_pass_tokens=64)
+    options.substitute_layer_bytes = substitute_layer_bytes(load_model(options).config, settings, True)
+    options.gpu_mem = streaming_device_budget(options, 1)
+    target = load_model(options)
+    assert target.plan.tier_of.count("device") == 1
+    return target, settings
+
+
+def _self_decoder(target, draft, budget: int, slots: int = 1) -> Decoder:
+    config = DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64, max_slots=slots, max_depth=64)
+    return Decoder(target.model, set(), config, SelfSpeculator(draft, 64, slots), FixedBudget(budget))
+
+
+@pytest.mark.parametrize("budget", [2, 8, 32])
+def test_greedy_self_speculation_equals_target_only_decoding(streamed_target, budget, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    draft = load_self_draft(target, settings)
+    assert draft.model.layers.num_substitutes == 3
+    plain = Decoder(target.model, set(), DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64))
+    decoder = _self_decoder(target, draft, budget)
+    passes = 0
+    for prompt in PROMPTS:
+        plain.reset()
+        decoder.reset()
+        expected = plain.generate(prompt, SamplingConfig()).token_ids
+        result = decoder.generate(prompt, SamplingConfig())
+        assert result.token_ids == expected
+        passes += result.stats.num_target_passes
+    assert passes < 3 * 24                       # the substitutes' trees were accepted, not only root tokens
+
+
+def test_a_batch_and_a_second_turn_decode_as_alone(streamed_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    draft = load_self_draft(target, settings)
+    plain = Decoder(target.model, set(), DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64))
+    expected = []
+    for prompt in PROMPTS:
+        plain.reset()
+        expected.append(plain.generate(prompt, SamplingConfig()).token_ids)
+    batch, answers = _self_decoder(target, draft, 8, slots=3), {}
+    requests = [DecodeRequest(p, SamplingConfig(), 24, tag=i) for i, p in enumerate(PROMPTS)]
+    batch.run(requests, lambda request, result, error: answers.setdefault(request.tag, result.token_ids))
+    assert [answers[i] for i in range(3)] == expected
+    single = _self_decoder(target, draft, 8)
+    first = single.generate(PROMPTS[0], SamplingConfig())
+    second_prompt = PROMPTS[0] + first.token_ids + [4, 4]
+    second = single.generate(second_prompt, SamplingConfig())         # reuses the slot's committed keys
+    plain.reset()
+    assert second.stats.num_reused_tokens > 0
+    assert second.token_ids == plain.generate(second_prompt, SamplingConfig()).token_ids
+
+
+def test_substitutes_are_cached_and_a_damaged_file_is_made_again(streamed_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    lines = []
+    load_self_draft(target, settings, lines.append)
+    assert any("3 substitute layers made" in line for line in lines)
+    files = sorted((tmp_path / "substitutes").rglob("*.safetensors"))
+    assert len(files) == 3
+    lines.clear()
+    first = load_self_draft(target, settings, lines.append)
+    assert lines == []                           # read back, not made
+    files[0].write_bytes(b"not a safetensors file")
+    again = load_self_draft(target, settings, lines.append)
+    assert any("1 substitute layers made" in line for line in lines)
+    x = torch.randn(1, 3, 128)                   # [B, N, intermediate]
+    layer = min(first.model.layers.substitutes)
+    assert torch.equal(first.model.layers.get(layer)["down"].matmul(x), again.model.layers.get(layer)["down"].matmul(x))
