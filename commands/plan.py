@@ -16,15 +16,18 @@ import torch
 from offload.devices import DTYPES, choose_device
 from offload.memory_limits import default_device_memory, default_host_memory
 from offload.model.config import ModelConfig
-from offload.planner import Plan, format_bytes, make_plan, parse_bytes
+from offload.planner import Plan, PlanRequest, format_bytes, make_plan, parse_bytes
 from offload.weights.gguf_import import cache_root
 from offload.weights.gguf_model import gguf_file_of
 from offload.weights.resolve import resolve_model
 from offload.weights.sizes import WeightBytes
 from perf.pass_model import GPU_PRESETS, GpuPreset, gpu_preset, load_device_check
+from perf.llama_cpp_offload import DEFAULT_RAM_GBPS
 from perf.plan_projection import PlanProjection, ProjectionSettings, project_plan
 from perf.plan_request import WEIGHT_FORMATS, request_for_weights, weight_bytes_for
-from perf.projection import default_acceptance_curve, load_acceptance_curve
+from perf.projection import AcceptanceCurve, default_acceptance_curve, load_acceptance_curve
+from perf.self_draft_plan import DEFAULT_SELF_CURVES
+from spec.self_draft import SELF_DRAFT
 
 from .flags import add_device, add_draft, add_target
 
@@ -33,15 +36,33 @@ NOMINAL_PCIE4_GBPS = 25.0
 
 def build_plan(args) -> tuple[Plan, WeightBytes]:
     """args: target, draft, weights, gpu_mem, ram, budget, context, dtype, device, ring, gpu (as typed)."""
+    request, weights = build_request(args)
+    return make_plan(request), weights
+
+
+def build_request(args) -> tuple[PlanRequest, WeightBytes]:
+    """The plan request (a self-draft's substitutes not counted) and the decoder layers' bytes."""
     device = choose_device(_device_name(args), require_available=False)
-    folder = resolve_model(args.target)
-    config = ModelConfig.from_file(folder)
-    draft = ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None
-    weights = weight_bytes_for(config, args.weights, gguf_file_of(folder), args.dtype)
+    config = ModelConfig.from_file(resolve_model(args.target))
+    weights = weight_bytes_for(config, args.weights, target_gguf(args), args.dtype)
     host_memory = parse_bytes(args.ram) if args.ram else default_host_memory()
     request = request_for_weights(config, weights, DTYPES[args.dtype].itemsize, _device_memory(args, device),
-                                  host_memory, draft, args.context, args.budget, args.ring, device.type == "cpu")
-    return make_plan(request), weights
+                                  host_memory, _draft_config(args), args.context, args.budget, args.ring,
+                                  device.type == "cpu")
+    return request, weights
+
+
+def target_gguf(args) -> Path | None:
+    return gguf_file_of(resolve_model(args.target))
+
+
+def _draft_config(args) -> ModelConfig | None:
+    """A draft model's config (None: no draft, or the self-draft, whose substitutes the report plans)."""
+    return ModelConfig.from_file(resolve_model(args.draft)) if args.draft and args.draft != SELF_DRAFT else None
+
+
+def is_cpu_plan(args) -> bool:
+    return choose_device(_device_name(args), require_available=False).type == "cpu"
 
 
 def _device_name(args) -> str:
@@ -86,6 +107,14 @@ def _gpu(args) -> GpuPreset | None:
 
 def build_projection(args, plan: Plan, bandwidth: dict[str, float | None]) -> PlanProjection | None:
     """None when no GPU is described or measured."""
+    acceptance = load_acceptance_curve(args.acceptance) if args.acceptance else default_acceptance_curve()
+    settings = projection_settings(args, bandwidth, acceptance)
+    return None if settings is None else project_plan(plan, settings)
+
+
+def projection_settings(args, bandwidth: dict[str, float | None],
+                        acceptance: AcceptanceCurve) -> ProjectionSettings | None:
+    """None when no GPU is described or measured."""
     gpu = _gpu(args)
     if gpu is None and not args.measured_curve:
         return None
@@ -93,19 +122,18 @@ def build_projection(args, plan: Plan, bandwidth: dict[str, float | None]) -> Pl
     label = ""
     if measured is not None:
         label = f"{json.loads(Path(args.measured_curve).read_text()).get('device', 'a GPU')} ({args.measured_curve})"
-    settings = ProjectionSettings(
-        acceptance=load_acceptance_curve(args.acceptance) if args.acceptance else default_acceptance_curve(),
-        link_gbps=bandwidth["ram"] / 1e9, gpu=gpu, disk_gbps=bandwidth["disk"] / 1e9 if bandwidth["disk"] else None,
-        draft=ModelConfig.from_file(resolve_model(args.draft)) if args.draft else None,
+    return ProjectionSettings(
+        acceptance=acceptance, link_gbps=bandwidth["ram"] / 1e9, gpu=gpu,
+        disk_gbps=bandwidth["disk"] / 1e9 if bandwidth["disk"] else None, draft=_draft_config(args),
         draft_round_seconds=args.draft_ms / 1e3 if args.draft_ms is not None else None,
         decode_gbps=args.decode_gbps, measured=measured, measured_label=label)
-    return project_plan(plan, settings)
 
 
 def add_parsers(commands) -> None:
     plan = commands.add_parser("plan", help="show where each part of a model would live (config.json is enough)")
     add_target(plan, "model folder, config.json folder, .gguf or Hub id (default: embedded model)")
-    add_draft(plan, "draft model folder (kept on the device) (default: none)")
+    add_draft(plan, "draft model folder (kept on the device), or self: the target's own low-bit substitutes, "
+                    "reported at 2, 3 and 4 bits beside llama.cpp's partial offload (default: none)")
     plan.add_argument("--gpu-mem", default=None, help="device memory limit, e.g. 24GiB (default: free memory - margin)")
     plan.add_argument("--ram", default=None, help="host memory limit, e.g. 64GiB (default: available RAM - margin)")
     plan.add_argument("--budget", type=int, default=2048, help="largest speculation tree, tokens (default: 2048)")
@@ -141,7 +169,11 @@ def _add_projection_flags(plan) -> None:
                             "of the GPU's memory bandwidth)")
     group.add_argument("--acceptance", default=None, metavar="FILE",
                        help="tokens per pass by budget: an acceptance-curve file, a `bench spec` or tree-simulation "
-                            "result (default: the shipped curve of the default pair)")
+                            "result (default: the shipped curve of the default pair); --draft self: one per width "
+                            f"with {{bits}} in the path (default: {DEFAULT_SELF_CURVES})")
+    group.add_argument("--ram-gbps", type=float, default=DEFAULT_RAM_GBPS,
+                       help="GB/s at which llama.cpp's CPU layers read RAM, for --draft self's comparison "
+                            f"(default: {DEFAULT_RAM_GBPS:g}, dual-channel DDR5)")
     group.add_argument("--measured-curve", default=None, metavar="FILE",
                        help="a GPU device-check result (bench/results/device_check_*.json): its measured pass "
                             "times, rescaled to this plan's bytes and link, replace the pass model (default: none)")
@@ -150,6 +182,12 @@ def _add_projection_flags(plan) -> None:
 def cmd_plan(args, console) -> int:
     if args.gpu:
         gpu_preset(args.gpu)          # an unknown name is one error line before any work
+    if not args.ram_gbps > 0:
+        raise ValueError(f"--ram-gbps must be positive (e.g. {DEFAULT_RAM_GBPS:g} for dual-channel DDR5), "
+                         f"got {args.ram_gbps:g}")
+    if args.draft == SELF_DRAFT:
+        from .plan_self_draft import cmd_plan_self
+        return cmd_plan_self(args)
     plan, weights = build_plan(args)
     bandwidth, link_source = measured_bandwidth(args, plan)
     seconds = plan.predicted_transfer_seconds({"ram": bandwidth["ram"], "disk": bandwidth["disk"] or math.inf})

@@ -16,6 +16,9 @@ Files:
     projection.py       acceptance curves, draft cost and the projected rate per tree budget
     plan_request.py     the plan request for a weight format from config.json or a GGUF header
     plan_projection.py  what `plan` projects for a plan on a described GPU
+    self_draft_plan.py  what `plan --draft self` reports: substitutes at each width against the device memory
+    self_draft_cost.py  a self-draft's step on a GPU (a whole-model forward that streams nothing)
+    llama_cpp_offload.py llama.cpp's partial offload on the same card and RAM, the peer `plan --draft self` names
 """
 from .pass_curve import PassTimeCurve
 from .pass_model import GPU_PRESETS, GpuPreset, MeasuredPassCurve, PassModelInputs, gpu_preset, predicted_pass_seconds

@@ -41,6 +41,10 @@ class ProjectionSettings:
     measured: MeasuredPassCurve | None = None   # replaces the pass model where given
     measured_label: str = ""                    # where `measured` comes from (device, file)
     efficiency: float = 0.7                     # share of peak TFLOP/s the GEMMs reach
+    # seconds to grow a tree of b tokens, given whole (a self-draft's, perf/self_draft_plan.py), and its
+    # assumption line; replaces the per-round model of `draft`
+    draft_seconds: Callable[[int], float] | None = None
+    draft_text: str = ""
 
     def __post_init__(self) -> None:
         if self.gpu is None and self.measured is None:
@@ -78,15 +82,17 @@ def project_plan(plan: Plan, settings: ProjectionSettings) -> PlanProjection:
     request, assumptions = plan.request, []
     if plan.tier_of.count("disk") and not (settings.disk_gbps or 0) > 0:
         raise ValueError(f"{plan.tier_of.count('disk')} layers stream from disk: give a disk rate (--disk-gbps)")
-    decode_gbps = _decode_gbps(request, settings, assumptions)
+    decode_gbps = packed_decode_gbps(request, settings, assumptions)
     inputs = None
     if settings.gpu is not None:
         inputs = PassModelInputs.from_plan(plan, settings.gpu, settings.disk_gbps, link_gbps=settings.link_gbps,
                                            decode_gbps=decode_gbps, efficiency=settings.efficiency)
     pass_seconds = _pass_seconds(plan, settings, inputs, assumptions)
-    draft = DraftCost(_draft_round_seconds(request, settings, assumptions))
+    draft_seconds = settings.draft_seconds or DraftCost(_draft_round_seconds(request, settings, assumptions)).seconds
+    if settings.draft_seconds:
+        assumptions.append(settings.draft_text)
     max_budget = min(request.max_tree, MAX_BUDGET, settings.measured.max_tokens if settings.measured else MAX_BUDGET)
-    projection = project(pass_seconds, settings.acceptance, draft.seconds, max_budget)
+    projection = project(pass_seconds, settings.acceptance, draft_seconds, max_budget)
     assumptions.append(_acceptance_line(settings.acceptance, projection))
     compute = {row.budget: pass_breakdown(inputs, row.budget).compute_seconds
                for row in projection.rows} if inputs and settings.measured is None else {}
@@ -125,7 +131,8 @@ def _pass_seconds(plan: Plan, settings: ProjectionSettings, inputs: PassModelInp
     return lambda num_tokens: scaled.seconds(num_tokens) + disk_read
 
 
-def _decode_gbps(request: PlanRequest, settings: ProjectionSettings, assumptions: list[str]) -> float | None:
+def packed_decode_gbps(request: PlanRequest, settings: ProjectionSettings, assumptions: list[str]) -> float | None:
+    """Packed GB/s the GPU decodes layers at (None: nothing packed, or no rate known); its assumption appended."""
     if not (request.ring_decode_bytes or request.decode_workspace_bytes):
         return None
     where = "streamed layers; resident ones decoded once at load" if request.resident_layer_bytes else \
