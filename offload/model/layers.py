@@ -12,8 +12,9 @@ from offload.model.rope import apply_rotary
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalises in float32 over the last dim, casts back, then scales (as transformers does)."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+    return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
 def linear(x: Tensor, weight, bias: Tensor | None = None) -> Tensor:
@@ -58,8 +59,8 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     if exact:
         q, k, v = q.double(), k.double(), v.double()
     keys, values = cache.append(layer_index, k, v)                         # [B, KVH, S, D]
-    if exact:
-        keys, values = keys.double(), values.double()                      # no copy from a float64 cache
+    if exact and not stores_float64:
+        keys, values = keys.double(), values.double()
     gqa = config.num_heads != config.num_kv_heads
     segments = cache.segments() if hasattr(cache, "segments") else None   # a slot cache's per-sequence blocks
     if segments is None:

@@ -68,16 +68,17 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [B, N] int -> cos, sin [B, 1, N, D] in `dtype` (computed in float32)."""
+        """positions [B, N] int -> cos, sin [B, 1, N, D] in `dtype` (computed in float32); sin's first half
+        negated, as apply_rotary takes it."""
         angles = positions.float()[..., None] * self.inv_freq  # [B, N, D/2]
         angles = torch.cat((angles, angles), dim=-1)
         cos = (angles.cos() * self.attention_scale).to(dtype)
         sin = (angles.sin() * self.attention_scale).to(dtype)
+        sin[..., :sin.shape[-1] // 2].neg_()
         return cos[:, None], sin[:, None]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, N, D] rotated by angle pairs (first half, second half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [B, H, N, D] rotated by angle pairs (first half, second half); sin from Rotary.cos_sin (first half
+    negated). (x2 * -s) is (-x2 * s) bit for bit: the same rotation as cat(-x2, x1) * sin, in 4 ops, not 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
