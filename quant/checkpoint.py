@@ -25,6 +25,7 @@ from offload.weights.formats import packed_method
 from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, write_safetensors
 from offload.weights.source import HF_GLOBAL_NAMES
 from offload.weights.tokenizer import copy_tokenizer_files
+from . import spqr_packed
 from .spqr_format import SpqrMatrix, packed_linears
 
 FORMAT_NAME, FORMAT_VERSION = "specstream-spqr", 2
@@ -146,11 +147,74 @@ class SpqrSource:
         return LayerLayout((TensorSlot("packed", torch.uint8, (size,), 0),), size)
 
     def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype, shared: bool = False) -> dict:
-        inner = self.inner[index]
-        views = inner.views(stored["packed"][:inner.num_bytes])
+        views = self._views(index, stored)
         weights = packed_linears({name: self._matrix(views, name) for name in MATRICES}, dtype)
         rest = {name: t.to(dtype) for name, t in views.items() if "." not in name}
         return {**rest, **weights}
+
+    def _views(self, index: int, stored: dict[str, Tensor]) -> dict[str, Tensor]:
+        inner = self.inner[index]
+        return inner.views(stored["packed"][:inner.num_bytes])
+
+    # the CPU's int4 kernel (quant/spqr_packed.py; loader.on_packed_kernel) -----------------------------
+    def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
+                     shared: bool = False) -> dict:
+        """A layer for the CPU: w4 g32 matrices repacked for the int4 kernel (no dense copy), others decoded per
+        use as decode_layer does. stored None: read from the file, the rest copied (a resident layer)."""
+        views = self._views(index, self.layer(index) if stored is None else stored)
+        weights = spqr_packed.from_spqr_layer({name: self._matrix(views, name) for name in MATRICES}, dtype)
+        rest = {name: t.to(dtype, copy=stored is None) for name, t in views.items() if "." not in name}
+        return {**rest, **weights}
+
+    def kernel_head(self) -> spqr_packed.Q8Head | None:
+        """The output matrix (lm_head, else the tied embedding) rounded to Q8_0 for the int4 kernel (None where
+        the kernel takes no layer matrix: the whole model then decodes as without it)."""
+        return spqr_packed.output_head(self._head()) if self._taken() else None
+
+    def kernel_head_bytes(self, dtype: torch.dtype) -> int:
+        """What the packed output matrix adds to the dense globals (a dense lm_head it replaces subtracted)."""
+        if not self._taken():
+            return 0
+        head = self._head()
+        untied = "lm_head" in self.global_tensors()
+        return spqr_packed.head_bytes(tuple(head.shape)) - (head.numel() * dtype.itemsize if untied else 0)
+
+    def _head(self) -> Tensor:
+        tensors = self.global_tensors()
+        return tensors.get("lm_head", tensors["embed"])
+
+    def kernel_layer_bytes(self, dtype: torch.dtype) -> int:
+        """The most bytes a layer holds for the CPU's kernel (its other tensors in `dtype`); 0 when the kernel
+        takes no matrix (the layers stay packed, as without it)."""
+        return max(self._kernel_bytes(layout, dtype) for layout in self.inner) if self._taken() else 0
+
+    def _kernel_bytes(self, layout: LayerLayout, dtype: torch.dtype) -> int:
+        slots = {slot.name: slot for slot in layout.slots}
+        total = sum(s.num_bytes // s.dtype.itemsize * dtype.itemsize for n, s in slots.items() if "." not in n)
+        for name, shape in self.shapes.items():
+            if self._takes(shape):
+                total += spqr_packed.kernel_bytes(shape, slots[f"{name}.outlier_values"].shape[0],
+                                                  slots[f"{name}.perm"].shape[0] > 0)
+            else:       # kept packed, decoded per use
+                total += sum(s.num_bytes for n, s in slots.items() if n.startswith(f"{name}."))
+        return total
+
+    def _takes(self, shape: tuple[int, int]) -> bool:
+        return spqr_packed.takes(self.quantization["bits"], self.quantization["groupsize"], shape)
+
+    def _taken(self) -> list[str]:
+        return [name for name, shape in self.shapes.items() if self._takes(shape)]
+
+    def kernel_summary(self) -> str:
+        """The status line of a CPU run on the int4 kernel: which matrices it multiplies, which are decoded."""
+        q, count = self.quantization, self.config.num_layers
+        kind = f"SpQR w{q['bits']} g{q['groupsize']}"
+        taken = self._taken()
+        line = "CPU packed int4 kernel: " + (f"{kind} x{len(taken) * count} (outliers added sparse), output "
+                                             "matrix as Q8_0" if taken else "no matrix")
+        decoded = len(self.shapes) - len(taken)
+        return line + (f"; decoded to dense (the kernel takes SpQR w4 g32 only): {kind} x{decoded * count}"
+                       if decoded else "")
 
     def file_paths(self) -> list[Path]:
         return [opened.path for opened in self._files] + [self._globals.path]
