@@ -79,7 +79,7 @@ def _chat_ids(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}]) for row in rows]
 
 
-def _greedy_steps(model, prompt: list[int], new_tokens: int):
+def greedy_steps(model, prompt: list[int], new_tokens: int):
     """One-token greedy passes after the prompt (prefill untimed, as bench/llama_cpp_runner.py times llama.cpp)."""
     cache = model.new_cache(len(prompt) + new_tokens + 1)
     first = int(model.forward(torch.tensor([prompt]), cache, last_only=True).logits[0, -1].argmax())
@@ -97,7 +97,7 @@ def _greedy_steps(model, prompt: list[int], new_tokens: int):
 
 def decode(models: dict, repeats: int, new_tokens: int, llama_cpp: Path | None) -> dict:
     ids = _chat_ids(models["dense"].tokenizer, 1)[0]
-    seconds = _alternate({k: _greedy_steps(m.model, ids, new_tokens) for k, m in models.items()}, repeats)
+    seconds = _alternate({k: greedy_steps(m.model, ids, new_tokens) for k, m in models.items()}, repeats)
     rates = {k: round((new_tokens - 1) / s, 2) for k, s in seconds.items()}
     result = {"new_tokens": new_tokens, "prompt_tokens": len(ids), "tokens_per_second": rates,
               "packed_over_dense_speed": round(rates["packed"] / rates["dense"], 3)}

@@ -117,6 +117,10 @@ def ratio_rows(results: dict) -> list[dict]:
     llama = results.get("llama_cpp") or {}
     add("llama.cpp / ours resident, decode tok/s", llama.get("llama_cpp_over_ours_resident_tokens_per_second"),
         "llama_cpp + peers", ">1: llama.cpp is faster")
+    for row in (results.get("cpu_shapes") or {}).get("files") or []:
+        for what in ("decode", "prefill"):
+            add(f"ours packed / llama.cpp, resident {what} tok/s, {row['file']}", row.get(f"{what}_over_llama_cpp"),
+                "cpu_shapes", ">1: ours is faster")
     batch = results.get("batch") or {}
     for label, points in batch_series(batch).items():
         if len(points) > 1 and points[0][1]:

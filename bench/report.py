@@ -18,6 +18,7 @@ SECTIONS = {   # heading -> the benchmark (suite step) behind it
     "Quantization: perplexity vs bits per parameter": "quant",
     "Cold disk: SpQR w4 and the in-place GGUF": "quant_disk", "Draft agreement": "draft",
     "Peers: per-token latency": "peers", "llama.cpp": "llama_cpp",
+    "CPU shapes: ours packed against llama.cpp on the same files": "cpu_shapes",
     "Batched decoding: throughput vs batch size": "batch", "AutoJudge: threshold curve": None,
     "Projection: Llama-2-70B with a 7B draft on an RTX 4090": None,
     "Benchmarks in this run": None,
@@ -221,6 +222,18 @@ def _llama(results, manifest, judge) -> str:
             f"to ours for the first {r['same_tokens_as_ours_prefix']}. {r['notes']}.")
 
 
+def _cpu_shapes(results, manifest, judge) -> str:
+    from bench.shapes_cost import markdown_table
+    r = results["cpu_shapes"]
+    return (f"llama-cpp-python {r['llama_cpp_python']} and ours resident (`--cpu-kernel packed`), each in its own "
+            f"process, in turn, {r['threads']} threads, the same {r['prompt_tokens']} prompt ids; decode excludes "
+            f"the prefill; prefill is one {r['config']['prefill_tokens']}-token pass from an empty cache. 1B and 8B "
+            "rows: synthetic files of those decoder shapes (random valid blocks, the default tokenizer). Goals, "
+            "decode over llama.cpp: " + ", ".join(f"{shape} {goal}" for shape, goal in
+                                                  r["goals_resident_decode_over_llama_cpp"].items())
+            + ".\n\n" + markdown_table(r))
+
+
 def _batch(results, manifest, judge) -> str:
     series = batch_series(results["batch"])
     if not series:
@@ -266,5 +279,5 @@ def _steps(results, manifest, judge) -> str:
                   for s in manifest["steps"]])
 
 
-BODIES = dict(zip(SECTIONS, (_engines, _ratios, _spec, _stream, _quant, _quant_disk, _draft, _peers, _llama, _batch,
-                             _judge, _projection, _steps)))
+BODIES = dict(zip(SECTIONS, (_engines, _ratios, _spec, _stream, _quant, _quant_disk, _draft, _peers, _llama,
+                             _cpu_shapes, _batch, _judge, _projection, _steps)))

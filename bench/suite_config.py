@@ -33,6 +33,8 @@ class SuiteConfig:
     peer_engines: tuple[str, ...] = ("ours_resident", "ours_ram", "ours_disk_warm", "ours_disk_cold",
                                      "transformers_resident", "accelerate_disk_warm", "accelerate_disk_cold",
                                      "accelerate_cpu", "airllm")
+    cpu_shapes: tuple[str, ...] = ("default", "1b", "8b")     # bench/shapes_bench.py: ours vs llama.cpp per file
+    cpu_shape_types: tuple[str, ...] = ("q4_0", "q4_1", "q4_k")
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     serve_clients: tuple[int, ...] = (1, 4, 8, 16)
     threads: int = 0                        # every engine, ours and the peers' (0: torch's default)
@@ -65,7 +67,8 @@ QUICK = SuiteConfig(prompts=1, max_new_tokens=32, budgets=(1, 4, 16, 64), stream
                     disk_tokens=8, disk_rounds=1, peer_tokens=16, peer_rounds=1, airllm_tokens=4,
                     peer_engines=("ours_resident", "ours_ram", "ours_disk_cold", "transformers_resident",
                                   "accelerate_disk_cold", "airllm"),
-                    batch_sizes=(1, 4), serve_clients=(1, 4), quick=True)
+                    cpu_shapes=("default", "1b"), cpu_shape_types=("q4_k",), batch_sizes=(1, 4),
+                    serve_clients=(1, 4), quick=True)
 
 
 def preset(quick: bool, **overrides) -> SuiteConfig:

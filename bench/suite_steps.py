@@ -2,8 +2,8 @@
 that live in other environments, its script): our engine resident, streamed from RAM and from a cold
 disk, speculative by budget and at the auto budget, SpQR w4 and the in-place GGUF from a cold disk, the
 draft, batched decoding, the server under concurrent clients; transformers generate and assisted generation,
-accelerate disk offload, AirLLM and llama.cpp. Every engine decodes the same prompts greedily with the same
-thread count."""
+accelerate disk offload, AirLLM and llama.cpp (also on 1B- and 8B-shaped GGUF files: bench/suite_shapes.py).
+Every engine decodes the same prompts greedily with the same thread count."""
 from __future__ import annotations
 
 import gc
@@ -19,6 +19,7 @@ from pathlib import Path
 from bench.suite_config import ROOT, SuiteConfig
 from bench.suite_batch import run_batch
 from bench.suite_serve import run_serve
+from bench.suite_shapes import run_cpu_shapes
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
 GPU_REFERENCE = ROOT / "bench/results/device_check_h200.json"
@@ -291,6 +292,7 @@ STEPS = (
     Step("draft", run_draft, lambda c: 40 if c.quick else 300),
     Step("peers", run_peers, lambda c: 150 if c.quick else 600),
     Step("llama_cpp", run_llama_cpp, lambda c: 15 if c.quick else 30),
+    Step("cpu_shapes", run_cpu_shapes, lambda c: 150 * len(c.cpu_shapes) * len(c.cpu_shape_types)),
     Step("batch", run_batch, lambda c: 60 if c.quick else 300),
     Step("serve", run_serve, lambda c: 90 if c.quick else 600),
 )

@@ -1,5 +1,6 @@
-"""A multi-GB GGUF for `bench stream --synthetic-gguf`: the default model's architecture and tokenizer
-with its hidden and intermediate sizes (and head counts, head size kept) scaled up, every tensor random
+"""A multi-GB GGUF for `bench stream --synthetic-gguf` and bench/shapes_bench.py: the default model's
+architecture and tokenizer with its hidden and intermediate sizes (and head counts, head size kept) scaled
+up, or a named model's exact shape (NAMED_SHAPES: Llama-3.2-1B's, Llama-3.1-8B's), every tensor random
 VALID blocks of one type (gguf_blocks.random_blocks), written one tensor at a time (RAM holds one
 tensor, not the file). Made once, cached under $SPECSTREAM_CACHE/bench_gguf/."""
 from __future__ import annotations
@@ -18,12 +19,12 @@ from offload.weights.gguf_import import cache_root
 from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.weights.resolve import default_model_gguf
 
-SYNTHETIC_TYPES = {"q4_k": T.Q4_K, "q8_0": T.Q8_0}
+SYNTHETIC_TYPES = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q8_0": T.Q8_0}
 ARCH = "llama"
 # metadata the shapes below replace; everything else (tokenizer, rope, eps) is the default model's
 _REPLACED = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type",
              f"{ARCH}.block_count", f"{ARCH}.embedding_length", f"{ARCH}.feed_forward_length",
-             f"{ARCH}.attention.head_count", f"{ARCH}.attention.head_count_kv"}
+             f"{ARCH}.attention.head_count", f"{ARCH}.attention.head_count_kv", f"{ARCH}.rope.dimension_count"}
 
 
 @dataclass(slots=True)
@@ -41,14 +42,24 @@ class SyntheticShape:
             raise ValueError(f"heads {self.num_heads} must divide hidden {self.hidden_size} and be a multiple "
                              f"of kv heads {self.num_kv_heads}")
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """GGUF layer tensor name -> torch shape [rows, cols] (blocks run along cols)."""
-        head_dim = self.hidden_size // self.num_heads
-        q, kv, hidden, inter = self.hidden_size, self.num_kv_heads * head_dim, self.hidden_size, self.intermediate_size
+        q, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        hidden, inter = self.hidden_size, self.intermediate_size
         shapes = {"input_norm": (hidden,), "post_norm": (hidden,), "q": (q, hidden), "k": (kv, hidden),
                   "v": (kv, hidden), "o": (hidden, q), "gate": (inter, hidden), "up": (inter, hidden),
                   "down": (hidden, inter)}
         return {GGUF_LAYER_NAMES[name]: shape for name, shape in shapes.items()}
+
+
+# Decoder shapes of real models (their vocabularies and untied heads are not kept: the file has the default
+# model's tokenizer and a tied Q4_0 embedding, so its output product is vocab 49,152 x hidden)
+NAMED_SHAPES = {"1b": SyntheticShape(2048, 8192, 32, 8, 16),      # Llama-3.2-1B: head size 64
+                "8b": SyntheticShape(4096, 14336, 32, 8, 32)}     # Llama-3.1-8B: head size 128
 
 
 def _type_of(name: str, shape: tuple[int, ...], qtype: T) -> T:
@@ -122,6 +133,7 @@ def _write(path: Path, qtype: T, shape: SyntheticShape) -> None:
     writer.add_feed_forward_length(shape.intermediate_size)
     writer.add_head_count(shape.num_heads)
     writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_rope_dimension_count(shape.head_dim)
     shapes = _tensor_shapes(shape, vocab)
     for name, s in shapes.items():
         tensor_type = _type_of(name, s, qtype)
@@ -131,20 +143,46 @@ def _write(path: Path, qtype: T, shape: SyntheticShape) -> None:
     writer.write_ti_data_to_file()
     generator = np.random.default_rng(0)
     for name, s in shapes.items():
-        writer.write_tensor_data(random_blocks(_type_of(name, s, qtype), s, generator))
+        writer.write_tensor_data(_tensor_data(name, s, qtype, generator))
     writer.close()
+
+
+def _qtype(type_name: str) -> T:
+    if type_name not in SYNTHETIC_TYPES:
+        raise ValueError(f"synthetic GGUF type {type_name!r}: choose one of {', '.join(SYNTHETIC_TYPES)}")
+    return SYNTHETIC_TYPES[type_name]
+
+
+def _tensor_data(name: str, shape: tuple[int, ...], qtype: T, generator: np.random.Generator) -> np.ndarray:
+    """Norms are ones (an initialized model's): the logits then spread as a trained model's do, so the packed
+    output product's exact recount near the top logit (packed_linear.Int4Head) takes a few rows, not thousands."""
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    return random_blocks(_type_of(name, shape, qtype), shape, generator)
 
 
 def synthetic_target(type_name: str, scale: int, size_gb: float,
                      on_status: Callable[[str], None] = lambda m: None) -> tuple[Path, dict]:
     """`bench stream --synthetic-gguf`: the cached file and what to say about it in the JSON."""
-    if type_name not in SYNTHETIC_TYPES:
-        raise ValueError(f"--synthetic-gguf {type_name!r}: choose one of {', '.join(SYNTHETIC_TYPES)}")
+    qtype = _qtype(type_name)
     if scale < 1 or size_gb <= 0:
         raise ValueError(f"--scale must be >= 1 and --size-gb > 0, got {scale} and {size_gb}")
-    qtype = SYNTHETIC_TYPES[type_name]
     shape = scaled_shape(qtype, scale, size_gb)
     path = synthetic_gguf(qtype, shape, on_status)
-    return path, {"type": type_name, "scale": scale, "file": path.name, "file_bytes": path.stat().st_size,
-                  "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
-                  "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "num_layers": shape.num_layers}
+    return path, {"type": type_name, "scale": scale, **_described(path, shape)}
+
+
+def named_target(shape_name: str, type_name: str, on_status: Callable[[str], None] = lambda m: None,
+                 folder: Path | None = None) -> tuple[Path, dict]:
+    """A NAMED_SHAPES model in one of SYNTHETIC_TYPES: the cached file and what to say about it in the JSON."""
+    if shape_name not in NAMED_SHAPES:
+        raise ValueError(f"synthetic shape {shape_name!r}: choose one of {', '.join(NAMED_SHAPES)}")
+    shape = NAMED_SHAPES[shape_name]
+    path = synthetic_gguf(_qtype(type_name), shape, on_status, folder)
+    return path, {"type": type_name, "shape": shape_name, **_described(path, shape)}
+
+
+def _described(path: Path, shape: SyntheticShape) -> dict:
+    return {"file": path.name, "file_bytes": path.stat().st_size, "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "num_layers": shape.num_layers}

@@ -20,6 +20,7 @@ import bench.quant_disk_bench
 import bench.spec_bench
 import bench.batch_summary
 import bench.serve_bench
+import bench.shapes_bench
 import bench.suite_steps
 from bench import record
 from bench.report import SECTIONS, write_report
@@ -27,7 +28,7 @@ from bench.suite import run_suite
 from bench.suite_config import FULL, QUICK, SuiteConfig, preset
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench/results"
-STEP_NAMES = ("spec", "stream", "quant", "quant_disk", "draft", "peers", "llama_cpp", "batch", "serve")
+STEP_NAMES = ("spec", "stream", "quant", "quant_disk", "draft", "peers", "llama_cpp", "cpu_shapes", "batch", "serve")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -95,6 +96,13 @@ def stubbed(monkeypatch, tiny_model, tmp_path):
         return stored("serve.json")
 
     monkeypatch.setattr(bench.serve_bench, "run_serve_bench", serve)
+
+    def shapes(config, on_status=None):
+        calls["cpu_shapes"] = config
+        return stored("cpu_shapes_vs_llama_cpp.json")
+
+    monkeypatch.setattr(bench.shapes_bench, "run_shapes_bench", shapes)
+    monkeypatch.setattr(bench.shapes_bench, "llama_python", lambda: tmp_path / "venv-llama/python")
     return calls
 
 
@@ -119,6 +127,7 @@ def test_suite_runs_every_benchmark_writes_json_and_a_report_with_plots(stubbed,
     assert stubbed["quant"].methods == QUICK.quant_methods and stubbed["quant"].chat_prompts is None
     assert [c.prompt for c in stubbed["quant_disk"]] == [prompts[0][-1]["content"]] * 2
     assert "--prompt" in stubbed["peers"] and prompts[0][-1]["content"] in stubbed["peers"]
+    assert stubbed["cpu_shapes"].shapes == QUICK.cpu_shapes and stubbed["cpu_shapes"].types == QUICK.cpu_shape_types
     stream = json.loads((out / "stream.json").read_text())           # the one benchmark run for real
     assert {p["tokens"] for p in stream["tiers"]["ram"]["passes"]} == {4}
     assert stream["tiers"]["disk"]["layers"]["disk"] > 0
