@@ -161,8 +161,17 @@ def _bench_quant_disk(args, console) -> dict:
 def _bench_tree_simulation(args, console) -> dict:
     from bench.tree_simulation import TreeSimulationConfig, run_tree_simulation
     config = TreeSimulationConfig(args.target, args.draft, args.prompts, args.limit, args.max_new_tokens,
-                                  _integers(args.budgets, "--budgets"))
+                                  _integers(args.budgets, "--budgets"), args.draft_bits, args.resident_layers,
+                                  args.cpu_kernel)
     return run_tree_simulation(config, on_status=_on_status(console))
+
+
+def _bench_self_draft(args, console) -> dict:
+    from bench.self_draft_bench import SelfDraftBenchConfig, run_self_draft_bench
+    from perf.tree_size import parse_budget
+    config = SelfDraftBenchConfig(args.tier, args.prompts, args.max_new_tokens, args.resident_layers, args.draft_bits,
+                                  gguf_import=not args.in_place, budget=parse_budget(args.budget), device=args.device)
+    return run_self_draft_bench(config, on_status=_on_status(console))
 
 
 def _bench_startup(args, console) -> dict:
@@ -220,6 +229,8 @@ BENCHES: dict[str, Bench] = {
     "tree-simulation": Bench("tokens per pass by tree budget from draft work alone, against the target's greedy "
                              "answers (an acceptance curve `plan --acceptance` reads)", flags.tree_simulation_flags,
                              _bench_tree_simulation),
+    "self-draft": Bench("end-to-end tok/s with the self-draft vs the shipped draft vs autoregressive decoding, layers "
+                        "streamed from RAM or a cold disk, in one run", flags.self_draft_flags, _bench_self_draft),
     "startup": Bench("seconds from a fresh process to its first token: first start, then the GGUF in place vs "
                      "its import", flags.startup_flags, _bench_startup),
     "all": Bench("every benchmark and peer in one run: one JSON each and report.md with plots in --out",

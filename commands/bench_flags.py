@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .flags import add_device, add_draft, add_dtype, add_target
+from .flags import add_cpu_kernel, add_device, add_draft, add_dtype, add_target
 
 PROMPTS_HELP = 'JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"'
 
@@ -30,7 +30,7 @@ def stream_flags(stream) -> None:
     add_target(stream, "model (default: embedded model)")
     stream.add_argument("--gpu-mem", default=None,
                         help="device budget that forces streaming, e.g. 450MiB (default: every layer streams)")
-    stream.add_argument("--synthetic-gguf", default=None, choices=["q4_k", "q8_0"],
+    stream.add_argument("--synthetic-gguf", default=None, choices=["q4_0", "q4_1", "q4_k", "q8_0"],
                         help="stream a multi-GB GGUF of random valid blocks of this type (the default model "
                              "scaled up; written once to the cache) instead of --model")
     stream.add_argument("--scale", type=int, default=8,
@@ -87,8 +87,8 @@ def suite_flags(suite) -> None:
     suite.add_argument("--quick", action="store_true",
                        help="fewer prompts, tokens, budgets and rounds: under 10 minutes on 2 cores (default: off)")
     suite.add_argument("--only", default=None, metavar="LIST",
-                       help="comma-separated benchmarks: spec,stream,quant,quant_disk,draft,peers,llama_cpp,batch "
-                            "(default: all)")
+                       help="comma-separated benchmarks: spec,stream,quant,quant_disk,draft,peers,llama_cpp,cpu_shapes,"
+                            "batch,serve (default: all)")
     suite.add_argument("--threads", type=int, default=None,
                        help="threads for every engine, ours and the peers' (default: torch's, 2 here)")
     suite.add_argument("--record", action="store_true",
@@ -142,6 +142,27 @@ def tree_simulation_flags(simulation) -> None:
     simulation.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     simulation.add_argument("--budgets", default="64,256,1024,4096",
                             help="tree budgets to simulate (default: 64,256,1024,4096)")
+    simulation.add_argument("--draft-bits", type=int, default=4, choices=(2, 3, 4),
+                            help="--draft self: bits per substitute weight (default: 4)")
+    simulation.add_argument("--resident-layers", type=int, default=3,
+                            help="--draft self: layers kept as they are, the rest substituted (default: 3)")
+    add_cpu_kernel(simulation)
+
+
+def self_draft_flags(bench) -> None:
+    bench.add_argument("--tier", default="disk", choices=("ram", "disk"),
+                       help="where the streamed layers come from (disk: cold, page cache dropped) (default: disk)")
+    bench.add_argument("--prompts", type=int, default=2, help="chat prompts, the first N (default: 2)")
+    bench.add_argument("--max-new-tokens", type=int, default=48, help="tokens per answer (default: 48)")
+    bench.add_argument("--resident-layers", type=int, default=3,
+                       help="decoder layers each plan keeps on the device; the rest stream (default: 3)")
+    bench.add_argument("--draft-bits", type=int, default=4, choices=(2, 3, 4),
+                       help="the self-draft's bits per substitute weight (default: 4)")
+    bench.add_argument("--budget", default="auto",
+                       help="tree tokens per pass for both drafts, or auto (the session's chooser) (default: auto)")
+    add_device(bench)
+    bench.add_argument("--in-place", action="store_true",
+                       help="run the default GGUF in place instead of its fp32 import (default: off)")
 
 
 def quant_flags(bench) -> None:

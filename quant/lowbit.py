@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from offload.weights.packed_linear import GROUP, ROW_MULTIPLE, Int4Weight, pack_codes
 from .packbits import pack, packed_bytes, unpack
 
 REFINE_ROUNDS = 12
@@ -136,14 +137,20 @@ def substitute_weight(matrix: LowBitMatrix, device: torch.device):
     """What a substitute layer multiplies with: on a CPU, torch's int4 kernel when the matrix suits it (codes of up
     to 4 bits in groups of 32, rows a multiple of 16: w = (q - 8) * scale + zero, zero = offset + 8 * scale, the
     layout of offload/weights/packed_linear.py, 4 bits per code whatever `bits`); else a LowBitWeight."""
-    from offload.weights.packed_linear import GROUP, ROW_MULTIPLE, Int4Weight, pack_codes
     num_out, num_in = matrix.shape
     if device.type != "cpu" or matrix.bits > 4 or matrix.group != GROUP or num_out % ROW_MULTIPLE:
         return LowBitWeight(matrix, device)
     scale = matrix.scale.float()
     scale_zeros = torch.stack((scale, matrix.offset.float() + 8 * scale), dim=-1)       # [N, G, 2]
-    return Int4Weight(pack_codes(matrix.codes), scale_zeros.transpose(0, 1).to(torch.bfloat16).contiguous(),
-                      (num_out, num_in))
+    return DraftInt4Weight(pack_codes(matrix.codes), scale_zeros.transpose(0, 1).to(torch.bfloat16).contiguous(),
+                           (num_out, num_in))
+
+
+class DraftInt4Weight(Int4Weight):
+    """Int4Weight for a draft: its rows need no bitwise agreement with a one-token pass (only the target's
+    verification does), so a layer built of these attends in its own dtype, not float64 (layers.py)."""
+    __slots__ = ()
+    is_row_exact = False
 
 
 def substitute_bytes(num_params: int, bits: int, group: int, device_is_cpu: bool) -> int:

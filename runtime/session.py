@@ -16,11 +16,11 @@ from perf.tree_size import BudgetChooser, check_budget
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from spec.draft import is_draft_folder, load_draft
 from .models import load_model, weight_formats
-from .speculation import (DraftUnavailable, choose_draft, draft_dtype_bytes, estimated_draft_footprint,
-                          load_draft_for, max_budget_for)
+from .speculation import (DraftChoice, DraftFootprint, DraftUnavailable, choose_draft, draft_dtype_bytes,
+                          estimated_draft_footprint, load_draft_for, max_budget_for)
 from spec.self_draft import SELF_DRAFT, SubstituteConfig, load_self_draft
 from spec.self_speculator import SelfSpeculator
-from .self_drafting import SELF_DRAFT_MAX_DEPTH, choose_substitutes, streams_without_draft
+from .self_drafting import ALL_RESIDENT, SELF_DRAFT_MAX_DEPTH, auto_draft, choose_substitutes, streams_without_draft
 from .stop import HeldBackText, StopStrings
 
 
@@ -90,7 +90,10 @@ class Session:
         """on_status(text), on_warning(text): one-line messages; on_progress(done, total): a GGUF import."""
         self.config = config
         self.draft_choice = choose_draft(config.target, config.draft, config.no_draft)
+        self.shipped_draft = self.draft_choice.spec if config.draft is None else None
         self.substitutes: SubstituteConfig | None = None      # a self-draft's, once the plan has room for them
+        if config.draft is None and not config.no_draft:
+            self.draft_choice = self._auto_draft(on_status)
         max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
         self.target, max_budget = self._load_target(max_budget, on_status, on_progress)
         self.tokenizer = self.target.tokenizer
@@ -121,35 +124,60 @@ class Session:
         """The target planned for trees of max_budget tokens; under `--budget auto` a workspace that
         does not fit the device budget halves the largest tree instead of failing."""
         config = self.config
-        spec = self.draft_choice.spec
-        draft = estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device))
         while True:
-            self.options = LoadOptions(config.target, config.device, config.dtype, config.allow_download,
-                                       gpu_mem=config.gpu_mem, ram=config.ram, max_context=config.max_context,
-                                       max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
-                                       draft_bytes=draft.weight_bytes, formats=weight_formats(),
-                                       draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
-                                       cpu_kernel=config.cpu_kernel)
+            spec = self.draft_choice.spec
+            self.options = self._options(max_budget, estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device)))
             self.options.num_sequences = self._batch_size(self.options)
             try:
-                if spec == SELF_DRAFT:
-                    self._plan_substitutes(on_status)
+                if spec == SELF_DRAFT and not self._plan_substitutes(on_status):
+                    continue                 # auto's self-draft did not fit: planned again with the shipped draft
                 return _load_target(self.options, on_status, on_progress), max_budget
             except PlanError as err:
                 if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
                     raise UserError(str(err)) from None
                 max_budget //= 2
 
-    def _plan_substitutes(self, on_status) -> None:
+    def _options(self, max_budget: int, draft: DraftFootprint) -> LoadOptions:
+        config = self.config
+        return LoadOptions(config.target, config.device, config.dtype, config.allow_download, gpu_mem=config.gpu_mem,
+                           ram=config.ram, max_context=config.max_context,
+                           max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
+                           draft_bytes=draft.weight_bytes, formats=weight_formats(),
+                           draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
+                           cpu_kernel=config.cpu_kernel)
+
+    def _auto_draft(self, on_status) -> DraftChoice:
+        """`--draft auto` (no --draft): the self-draft or the shipped one (self_drafting.auto_draft), said in a
+        status line where layers stream."""
+        options = self._options(max_budget_for(self.config.budget, self.config.device), DraftFootprint())
+        try:
+            spec, why = auto_draft(options, self.shipped_draft)
+        except PlanError:
+            return self.draft_choice            # the plan's own error comes with the load
+        if on_status and why != ALL_RESIDENT:
+            on_status(f"draft: {'self' if spec == SELF_DRAFT else 'the shipped draft'} (auto: {why})")
+        return DraftChoice(spec)
+
+    def _plan_substitutes(self, on_status) -> bool:
         """Room in the plan for a self-draft's substitutes; none where every layer is resident without them (the
-        self-draft would be the target: decoding goes on without a draft)."""
+        self-draft would be the target: decoding goes on without a draft). -> False where auto's self-draft does
+        not fit: the shipped draft replaces it."""
         if not streams_without_draft(self.options):
             self.draft_choice = choose_draft(None, None, True)
             if on_status:
                 on_status("self-draft: every layer is resident, so it would cost what the target costs; "
                           "decoding without a draft")
-            return
-        self.substitutes, self.options = choose_substitutes(self.options, self.config.draft_bits)
+            return True
+        try:
+            self.substitutes, self.options = choose_substitutes(self.options, self.config.draft_bits)
+        except PlanError as err:
+            if self.config.draft == SELF_DRAFT or self.shipped_draft is None:
+                raise
+            self.draft_choice = DraftChoice(self.shipped_draft)
+            if on_status:
+                on_status(f"draft: the shipped draft (auto: the self-draft does not fit: {err})")
+            return False
+        return True
 
     def _batch_size(self, options: LoadOptions) -> int:
         """The batch the plan sizes the KV cache for: the configured one, or auto's pick."""

@@ -33,12 +33,17 @@ class GrowthConfig:
     max_width: int | None = None     # nodes expanded per draft forward (None: by budget)
     max_children: int = MAX_CHILDREN # children each expanded node proposes
     max_depth: int = MAX_DEPTH
+    # Expected tokens a round must be able to add to be worth its draft forward (0: grow to the budget). A
+    # round expands nodes whose children hold at most the nodes' own path probability, so their sum bounds it.
+    min_gain: float = 0.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {self.budget}")
         if (self.max_width is not None and self.max_width < 1) or self.max_children < 1 or self.max_depth < 0:
             raise ValueError("tree width and children must be >= 1, depth >= 0")
+        if not self.min_gain >= 0:
+            raise ValueError(f"a round's minimum gain must be >= 0, got {self.min_gain}")
 
     @classmethod
     def chain(cls, budget: int) -> "GrowthConfig":
@@ -153,7 +158,8 @@ class Growth:
         self._add_lookups()
         pool.prune(config.budget)
         chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
-        if chosen.numel() == 0 or chosen.numel() > room:
+        if chosen.numel() == 0 or chosen.numel() > room or \
+                (config.min_gain and float(pool.logprobs[chosen].exp().sum()) < config.min_gain):
             self.is_done = True
             return chosen.new_empty(0)
         return chosen

@@ -164,11 +164,11 @@ class SubstituteCache:
 
     def _make(self, index: int) -> tuple[dict[str, LowBitMatrix], dict[str, Tensor], float]:
         from safetensors.torch import save_file
-        dense = dense_layer(self.source, index)
-        matrices = {name: quantize_matrix(dense[name], self.settings.bits, self.settings.group)
+        dense = {name: t.to(self.device) for name, t in dense_layer(self.source, index).items()}   # a GPU quantizes
+        matrices = {name: _to_host(quantize_matrix(dense[name], self.settings.bits, self.settings.group))
                     for name in MATRICES}
         error = sum(relative_error(dense[name], m) for name, m in matrices.items()) / len(matrices)
-        rest = {name: t.float().contiguous() for name, t in dense.items() if name not in MATRICES}
+        rest = {name: t.float().cpu().contiguous() for name, t in dense.items() if name not in MATRICES}
         tensors = {k: v.contiguous() for name, m in matrices.items() for k, v in to_tensors(m, name).items()}
         tensors.update({f"rest.{name}": t for name, t in rest.items()})
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -185,6 +185,10 @@ class SubstituteCache:
             layer[name] = substitute_weight(stacked, self.device)
         layer.update({name: substitute_weight(m, self.device) for name, m in matrices.items()})
         return layer
+
+
+def _to_host(matrix: LowBitMatrix) -> LowBitMatrix:
+    return LowBitMatrix(matrix.codes.cpu(), matrix.scale.cpu(), matrix.offset.cpu(), matrix.bits, matrix.group)
 
 
 def _stack(parts: list[LowBitMatrix]) -> LowBitMatrix:

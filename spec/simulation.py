@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from offload import DecoderModel
+from offload.model.masks import causal_mask
+from offload.model.slots import SlotCache
+from offload.planner import draft_slot_tokens
 from .decoding import DecodeConfig, Decoder
 from .draft import Draft
 from .sampling import SamplingConfig
+from .grow import MAX_DEPTH
+from .self_speculator import SelfSpeculator
 from .speculator import Proposal, Speculator
 from .tree import Tree
 from .verify import accepted_path
@@ -50,3 +56,34 @@ def _followed_path(tree: Tree, answer: list[int], position: int) -> list[int]:
     right = [d == 0 or (position + d < len(answer) and token == answer[position + d])
              for d, token in zip(depths, tree.tokens.tolist())]
     return accepted_path(tree, torch.tensor(right))
+
+
+def simulate_self(draft: Draft, target: DecoderModel, prompt_ids: list[int], answer: list[int], budget: int,
+                  max_new_tokens: int, max_depth: int = MAX_DEPTH) -> int:
+    """simulate() for a self-draft: it drafts in the target's own cache, so the target writes the committed keys
+    (a prefill, then each step's accepted tokens: a few tokens per step, never the tree)."""
+    cache = SlotCache(target.config, 1, len(prompt_ids) + len(answer) + draft_slot_tokens(1, budget), target.device,
+                      target.cache_dtype)
+    speculator = SelfSpeculator(draft, budget, priced=False)      # trees grow to their budget
+    speculator.bind(cache)
+    _commit(target, cache, prompt_ids)
+    committed, position, passes = list(prompt_ids), 0, 0
+    while position < len(answer) - 1:
+        growth = DecodeConfig(max_new_tokens, max_depth=max_depth).growth(budget, max_new_tokens - (position + 1))
+        [(tree, _)] = speculator.propose([Proposal(0, committed, answer[position], growth)])
+        path = _followed_path(tree, answer, position)
+        accepted = [answer[position + i] for i in range(len(path))]
+        _commit(target, cache, accepted)
+        committed += accepted
+        position += len(path)
+        passes += 1
+    return passes
+
+
+def _commit(target: DecoderModel, cache: SlotCache, tokens: list[int]) -> None:
+    """The target's exact keys of `tokens`, appended to slot 0's committed rows."""
+    cache.begin([(0, len(tokens))])
+    length = cache.lengths[0]
+    target.forward(torch.tensor([tokens]), cache, torch.arange(length, length + len(tokens))[None],
+                   causal_mask(length, len(tokens), target.device), rows=torch.tensor([len(tokens) - 1]))
+    cache.commit(0)

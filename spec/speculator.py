@@ -51,6 +51,10 @@ class Speculator:
         self.forward_seconds = 0.0                        # draft compute of the last propose
         self.num_draft_forwards = 0
 
+    def _growth(self, growth: GrowthConfig) -> GrowthConfig:
+        """How this step's trees grow (a speculator that prices its rounds sets their minimum gain)."""
+        return growth
+
     def bind(self, target_cache: SlotCache) -> None:
         """The decoder's cache (a draft with a cache of its own ignores it)."""
 
@@ -88,7 +92,8 @@ class Speculator:
             if lookup is not None:
                 lookup.sync(proposal.committed_ids + [proposal.root])
             before_root = proposal.committed_ids[-1] if proposal.committed_ids else None
-            growths.append(Growth(proposal.root, logprobs, proposal.growth, self.vocab_map, lookup, before_root))
+            growths.append(Growth(proposal.root, logprobs, self._growth(proposal.growth), self.vocab_map, lookup,
+                                  before_root))
         while True:
             rounds = []
             for proposal, growth in zip(proposals, growths):

@@ -15,7 +15,9 @@ from quant.baselines import round_to_nearest
 from quant.lowbit import LowBitWeight, from_tensors, quantize_matrix, relative_error, substitute_weight, to_tensors
 from spec import DecodeConfig, DecodeRequest, Decoder, FixedBudget, SamplingConfig
 from spec.self_draft import SubstituteConfig, load_self_draft, substitute_layer_bytes
-from spec.self_speculator import SelfSpeculator
+from spec.grow import Growth, GrowthConfig
+from spec.self_speculator import SelfSpeculator, StepClock
+from spec.simulation import simulate_self
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 12, 1, 5]]
@@ -51,7 +53,7 @@ def test_substitute_products_match_the_dequantized_matrix(bits):
     reference = x @ matrix.dequantize().T
     assert torch.allclose(LowBitWeight(matrix, CPU).matmul(x), reference, atol=1e-5)
     kernel = substitute_weight(matrix, CPU)          # torch's int4 kernel: bf16 activations, scales and zeros
-    assert type(kernel).__name__ == "Int4Weight"
+    assert type(kernel).__name__ == "DraftInt4Weight" and not kernel.is_row_exact
     scale = matrix.scale.float().bfloat16().float()
     zero = (matrix.offset.float() + 8 * matrix.scale.float()).bfloat16().float()
     codes = matrix.codes.view(96, -1, 32).float()
@@ -152,3 +154,95 @@ def test_substitutes_are_cached_and_a_damaged_file_is_made_again(streamed_target
     x = torch.randn(1, 3, 128)                   # [B, N, intermediate]
     layer = min(first.model.layers.substitutes)
     assert torch.equal(first.model.layers.get(layer)["down"].matmul(x), again.model.layers.get(layer)["down"].matmul(x))
+
+
+def test_the_step_clock_prices_a_round_in_tokens():
+    clock = StepClock()
+    assert clock.min_gain() == 0.0                   # nothing measured: grow to the budget
+    clock.step_started(0.0)
+    clock.drafted(0.4, 4)                            # 0.1 s a draft forward
+    clock.emitted(5)
+    clock.step_started(2.0)                          # a step of 2 s emitted 5 tokens: 0.4 s a token
+    assert clock.min_gain() == pytest.approx(0.25)
+
+
+def test_growth_stops_where_a_round_cannot_earn_its_cost():
+    vocab = torch.arange(6)
+    root = torch.log_softmax(torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5]), -1)
+
+    def grow(min_gain: float) -> int:
+        growth = Growth(0, root, GrowthConfig(32, max_children=3, min_gain=min_gain), vocab)
+        rounds = 0
+        while (chosen := growth.next_round(1000)).numel():
+            growth.expanded(chosen, root.expand(chosen.numel(), -1), 100 + 10 * rounds)
+            rounds += 1
+        return rounds
+
+    assert grow(0.0) > grow(0.5) >= 1
+
+
+def test_simulated_passes_equal_live_self_speculation(streamed_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    draft = load_self_draft(target, settings)
+    decoder = Decoder(target.model, set(), DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64,
+                                                         max_depth=64),
+                      SelfSpeculator(draft, 64, priced=False), FixedBudget(8))
+    for prompt in PROMPTS:
+        decoder.reset()
+        live = decoder.generate(prompt, SamplingConfig())
+        simulated = simulate_self(draft, target.model, prompt, live.token_ids, 8, 24, max_depth=64)
+        assert simulated == live.stats.num_target_passes - 1          # the prefill pass emits the first token
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("auto"), "llama", seed=5, num_hidden_layers=4,
+                                     vocab_size=64)
+    return add_tiny_tokenizer(folder, 64)
+
+
+def _session(folder, gpu_mem, lines, **overrides):
+    from runtime import RuntimeConfig, Session
+    config = RuntimeConfig(str(folder), device="cpu", dtype="fp32", max_context=128, gpu_mem=gpu_mem, budget=8,
+                           **overrides)
+    return Session(config, on_status=lines.append)
+
+
+def test_auto_drafts_with_the_target_itself_where_layers_stream(tiny_folder, tmp_path, monkeypatch):
+    from runtime.models import weight_formats
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    options = LoadOptions(str(tiny_folder), "cpu", "fp32", max_context=128, max_pass_tokens=512,
+                          formats=weight_formats())
+    options.substitute_layer_bytes = substitute_layer_bytes(load_model(options).config, SubstituteConfig(4), True)
+    lines = []
+    with _session(tiny_folder, streaming_device_budget(options, 1), lines) as session:    # no --draft: auto
+        assert session.draft is not None and session.draft.is_self
+        assert session.draft_name.startswith("self (4-bit substitutes")
+        assert any(line.startswith("draft: self (auto: layers stream") for line in lines)
+        ids = [5, 9, 2, 7]
+        text, result = session.generate(ids, SamplingConfig(), 16)
+    with _session(tiny_folder, streaming_device_budget(options, 1), [], no_draft=True) as plain:
+        assert plain.generate(ids, SamplingConfig(), 16)[1].token_ids == result.token_ids
+
+
+def test_a_resident_target_has_no_self_draft_and_bits_need_it(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    lines = []
+    with _session(tiny_folder, None, lines, draft="self") as session:
+        assert session.draft is None
+    assert any("every layer is resident" in line for line in lines)
+    from runtime import RuntimeConfig
+    with pytest.raises(ValueError, match="--draft-bits"):
+        RuntimeConfig(str(tiny_folder), draft_bits=3)
+
+
+def test_auto_choice_reads_the_measured_rates_of_the_default_pair():
+    import json
+    from runtime.self_drafting import measured_draft_rates
+    rates = measured_draft_rates()
+    for tier in ("disk", "ram"):
+        rows = json.loads((Path(__file__).parents[1] / "bench" / "results" / f"self_draft_{tier}_auto.json")
+                          .read_text())["rows"]
+        assert rates[tier] == {"shipped": rows["shipped"]["speedup_vs_autoregressive"],
+                               "self": rows["self"]["speedup_vs_autoregressive"]}

@@ -59,10 +59,12 @@ def target_distribution(target, prefix: list[int], sampling: SamplingConfig = SA
     return probabilities(logits, sampling)
 
 
-def sample_runs(target, draft, policy, base: SamplingConfig = SAMPLING) -> tuple[list[list[int]], float]:
+def sample_runs(target, draft, policy, base: SamplingConfig = SAMPLING,
+                speculator=None) -> tuple[list[list[int]], float]:
     """(t1, t2, t3) of every run, and the share of runs whose first tree yielded both t2 and t3."""
     config = DecodeConfig(3, 32, max_pass_tokens=16, max_children=3)
-    decoder = Decoder(target.model, set(), config, Speculator(draft, 32, 6, 16), FixedBudget(6), policy)
+    decoder = Decoder(target.model, set(), config, speculator or Speculator(draft, 32, 6, 16), FixedBudget(6),
+                      policy)
     runs, num_both = [], 0
     for seed in range(RUNS):
         decoder.reset()
@@ -125,3 +127,18 @@ def test_the_same_test_rejects_a_broken_acceptance_rule(pair):
     p_value, dof = chi_square_p_value(target, runs)
     print(f"broken rule: p = {p_value:.3g}, dof {dof}")
     assert p_value < ALPHA, (p_value, dof)
+
+
+def test_self_draft_sampling_matches_the_target_distribution(pair, tmp_path, monkeypatch):
+    """The self-draft (2-bit substitute of the second layer, drafting in the target's own cache) samples the
+    target's distribution too."""
+    from spec.self_draft import SubstituteConfig, load_self_draft
+    from spec.self_speculator import SelfSpeculator
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, _ = pair
+    draft = load_self_draft(target, SubstituteConfig(2), layers=[1])
+    runs, one_tree_share = sample_runs(target, draft, ExactMatch(), speculator=SelfSpeculator(draft, 6, priced=False))
+    assert one_tree_share > 0.3
+    p_value, dof = chi_square_p_value(target, runs)
+    print(f"self-draft: p = {p_value:.3g}, dof {dof}, one-tree share {one_tree_share:.2f}")
+    assert p_value > ALPHA, (p_value, dof)
