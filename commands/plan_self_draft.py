@@ -13,7 +13,7 @@ from perf.llama_cpp_offload import LLAMA_CPP_BUFFER_BYTES, llama_cpp_weights, pr
 from perf.self_draft_plan import (CURVE_LABEL, DEFAULT_SELF_CURVES, SelfDraftReport, SubstituteOption, self_curves,
                                   substitute_options)
 
-from .plan import (_as_json, _edge_assumptions, _gpu, _print_plan, build_request, is_cpu_plan, measured_bandwidth,
+from .plan_common import (_as_json, _edge_assumptions, _gpu, _print_plan, build_request, is_cpu_plan, measured_bandwidth,
                    projection_settings, target_gguf)
 
 

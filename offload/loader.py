@@ -25,7 +25,10 @@ from offload.weights.source import WeightSource
 
 
 CPU_KERNELS = ("dense", "packed")
-DEFAULT_CPU_KERNEL = "dense"
+# The commands' default (run, chat, batch, serve; RuntimeConfig): packed held perplexity (-0.03 to -0.14% on
+# held-out code, prose, math) and exact speculation, at 3.7x dense decode speed (bench/results/cpu_kernel_*.json).
+# A library load (LoadOptions) keeps the exact fp32 decode, the one tests compare with transformers.
+DEFAULT_CPU_KERNEL = "packed"
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ class LoadOptions:
     direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
     # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: "packed" multiplies them as stored with torch's int4
     # kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
-    cpu_kernel: str = DEFAULT_CPU_KERNEL
+    cpu_kernel: str = "dense"
     substitute_layer_bytes: int = 0 # a self-draft's low-bit copy of each streamed layer, kept on the device
 
     def __post_init__(self) -> None:
@@ -204,7 +207,7 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         device_budget=options.gpu_mem or default_device_memory(device),
         host_budget=options.ram or default_host_memory(),
         draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
-        dtype_bytes=8 if on_packed_kernel(source, options, device) else dtype.itemsize,   # a float64 KV cache
+        dtype_bytes=dtype.itemsize, kv_dtype_bytes=8 if on_packed_kernel(source, options, device) else 0,   # float64
         ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",
         num_sequences=options.num_sequences, substitute_layer_bytes=options.substitute_layer_bytes)

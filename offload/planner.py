@@ -54,6 +54,7 @@ class PlanRequest:
     # packed bytes take to stream (make_plan's only speed input); None: never kept packed.
     decode_vs_transfer: float | None = None
     resident_packed: bool = False  # make_plan's choice: device layers of a decode-once source kept packed
+    kv_dtype_bytes: int = 0        # the KV cache's element (0: dtype_bytes; 8: float64, a CPU run on the int4 kernel)
     # A self-draft (spec/self_draft.py) keeps a low-bit substitute of every streamed layer on the device: each
     # layer that streams costs these bytes there, so resident layers and substitutes share the device budget.
     substitute_layer_bytes: int = 0
@@ -61,6 +62,10 @@ class PlanRequest:
     @property
     def device_layer_bytes(self) -> int:
         return self.resident_layer_bytes or self.layer_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_dtype_bytes or self.dtype_bytes
 
     @property
     def ring_slot_bytes(self) -> int:
@@ -128,7 +133,7 @@ def workspace_bytes(request: PlanRequest) -> int:
     scores = tokens * keys * (cfg.num_heads * 4 if request.device_is_cpu else 3)
     logits = tokens * cfg.vocab_size * (4 + request.dtype_bytes)
     # a packed pass over many slots gathers their keys and values (one layer at a time) and its mask
-    gathered = 2 * keys * cfg.num_kv_heads * cfg.head_dim * request.dtype_bytes + tokens * keys \
+    gathered = 2 * keys * cfg.num_kv_heads * cfg.head_dim * request.kv_bytes + tokens * keys \
         if request.num_sequences > 1 else 0
     return tokens * per_token + scores + logits + gathered
 
@@ -153,7 +158,7 @@ def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
     is decoded at its use: `streams`, or resident layers not decoded once)."""
     cfg = request.config
     fixed = [PlanItem("embeddings, final norm, LM head", "device", request.global_bytes),
-             PlanItem(_kv_label(request), "device", kv_cache_bytes(cfg, kv_cache_tokens(request), request.dtype_bytes)),
+             PlanItem(_kv_label(request), "device", kv_cache_bytes(cfg, kv_cache_tokens(request), request.kv_bytes)),
              PlanItem(f"activation workspace ({request.max_tree} tokens per pass)", "device",
                       workspace_bytes(request))]
     if request.draft_kv_token_bytes:
@@ -274,6 +279,10 @@ def _num_device_layers(request: PlanRequest, room: int) -> int:
     num_layers, layer, substitute = request.config.num_layers, request.device_layer_bytes, request.substitute_layer_bytes
     if not substitute:
         return min(room // layer, num_layers)
+    if substitute >= layer:
+        raise PlanError(f"a self-draft substitute ({format_bytes(substitute)}) is no smaller than the resident layer it "
+                        f"would replace ({format_bytes(layer)}): keeping layers resident costs less; use fewer bits "
+                        f"(--draft-bits) or another draft")
     room -= num_layers * substitute
     if room < 0:
         raise PlanError(f"the self-draft's substitutes ({num_layers} x {format_bytes(substitute)}) do not fit the "

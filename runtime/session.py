@@ -10,6 +10,7 @@ from offload import LoadedModel, LoadOptions, StreamDecoder
 from offload.loader import DEFAULT_CPU_KERNEL
 from offload.devices import choose_device
 from offload.planner import PlanError, with_batch
+from offload.weights.safetensors_io import CorruptCheckpointError
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
 from perf.probe import auto_budget, pass_time_curve, throughput_batch
 from perf.tree_size import BudgetChooser, check_budget
@@ -149,11 +150,14 @@ class Session:
     def _auto_draft(self, on_status) -> DraftChoice:
         """`--draft auto` (no --draft): the self-draft or the shipped one (self_drafting.auto_draft), said in a
         status line where layers stream."""
+        target = self.config.target
+        if target and is_draft_folder(Path(target).expanduser()):
+            return self.draft_choice            # a draft folder runs alone
         options = self._options(max_budget_for(self.config.budget, self.config.device), DraftFootprint())
         try:
             spec, why = auto_draft(options, self.shipped_draft)
-        except PlanError:
-            return self.draft_choice            # the plan's own error comes with the load
+        except (PlanError, CorruptCheckpointError):
+            return self.draft_choice            # the load raises the same error, with its own context
         if on_status and why != ALL_RESIDENT:
             on_status(f"draft: {'self' if spec == SELF_DRAFT else 'the shipped draft'} (auto: {why})")
         return DraftChoice(spec)

@@ -10,7 +10,8 @@ PROMPT = [{"role": "user", "content": "Name three primary colors."}]
 
 
 def _run(**budgets):
-    session = Session(RuntimeConfig(device="cpu", dtype="fp32", max_context=512, **budgets))
+    session = Session(RuntimeConfig(device="cpu", dtype="fp32", max_context=512, cpu_kernel="dense",  # fp32 budgets
+                                    **budgets))
     try:
         text, result = session.generate(session.encode(PROMPT), SamplingConfig(), 24)
         return result.token_ids, session.report(text, result)

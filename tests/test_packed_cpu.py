@@ -152,3 +152,35 @@ def test_packed_speculation_equals_packed_one_token_decoding(default_packed):
         result = speculative.generate(ids, SamplingConfig())
         assert result.token_ids == reference.generate(ids, SamplingConfig()).token_ids
         assert result.stats.tokens_per_pass > 1
+
+
+@pytest.mark.e2e
+def test_the_packed_plan_counts_what_the_packed_session_holds():
+    """The commands' default on the CPU (RuntimeConfig): packed layers, the packed head beside the dense
+    embedding and a float64 KV cache, each planned at the bytes held."""
+    from runtime.session import RuntimeConfig, Session
+    with Session(RuntimeConfig(budget=16, device="cpu", max_context=1024)) as session:
+        plan, target = session.target.plan, session.target
+        assert isinstance(target.model.lm_head, Int4Head) and session.decoder.cache.keys.dtype == torch.float64
+        items = {i.component.split(" (")[0]: i.num_bytes for i in plan.items if i.tier == "device"}
+        assert items["embeddings, final norm, LM head"] == target.global_bytes
+        assert next(v for k, v in items.items() if k.startswith("KV cache")) == session.decoder.cache.num_bytes
+        layers = sum(v for k, v in items.items() if k.startswith(("decoder", "ring")))
+        assert layers == target.layers.device_bytes < target.config.num_layers * target.config.layer_param_count
+
+
+@pytest.mark.e2e
+def test_the_default_model_packed_gives_the_same_tokens_resident_and_streamed_from_ram_and_disk():
+    from spec import DecodeConfig, Decoder, SamplingConfig
+    options = LoadOptions(device="cpu", dtype="fp32", cpu_kernel="packed", max_context=256, max_pass_tokens=64)
+    tokens = {}
+    for tier, ram in (("device", None), ("ram", None), ("disk", 1)):
+        streamed = replace(options, ram=ram)
+        if tier != "device":
+            streamed.gpu_mem = streaming_device_budget(streamed)
+        loaded = load_model(streamed)
+        assert loaded.plan.tier_of.count(tier) >= 20, loaded.plan.tier_of
+        ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "Name three primary colors."}])
+        tokens[tier] = Decoder(loaded.model, loaded.stop_ids, DecodeConfig(24, 256)).generate(ids, SamplingConfig()).token_ids
+        loaded.layers.close()
+    assert tokens["ram"] == tokens["device"] and tokens["disk"] == tokens["device"]

@@ -17,7 +17,8 @@ def _item(plan, prefix: str) -> int:
 
 @pytest.mark.parametrize("batch_size, gpu_mem", [(1, None), (8, None), (1, "700MiB"), (8, "2800MiB")])
 def test_the_plans_device_items_are_the_bytes_allocated(batch_size, gpu_mem):
-    config = RuntimeConfig(batch_size=batch_size, budget=16, gpu_mem=parse_bytes(gpu_mem) if gpu_mem else None)
+    config = RuntimeConfig(batch_size=batch_size, budget=16, gpu_mem=parse_bytes(gpu_mem) if gpu_mem else None,
+                           cpu_kernel="dense")     # budgets sized for fp32 layers (the packed plan: test_packed_cpu.py)
     with Session(config) as session:
         plan, decoder = session.target.plan, session.decoder
         streams = any(tier != "device" for tier in plan.tier_of)

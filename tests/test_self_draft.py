@@ -72,8 +72,8 @@ def test_the_plan_counts_substitutes_and_refuses_them_when_they_do_not_fit():
     assert streamed and items[0].num_bytes == streamed * (bare.layer_bytes // 16)
     assert with_substitutes.tier_of.count("device") < full.tier_of.count("device")
     assert with_substitutes.bytes_in("device") <= full.request.device_budget
-    with pytest.raises(PlanError, match="substitutes"):
-        make_plan(replace(full.request, substitute_layer_bytes=full.request.device_budget // 10))
+    with pytest.raises(PlanError, match="substitutes .* do not fit"):
+        make_plan(replace(full.request, substitute_layer_bytes=bare.layer_bytes // 3))   # 80 x 0.53 GiB
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +246,10 @@ def test_auto_choice_reads_the_measured_rates_of_the_default_pair():
                           .read_text())["rows"]
         assert rates[tier] == {"shipped": rows["shipped"]["speedup_vs_autoregressive"],
                                "self": rows["self"]["speedup_vs_autoregressive"]}
+
+
+def test_a_substitute_no_smaller_than_its_layer_is_refused():
+    config = ModelConfig.from_file(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-70b")
+    request = request_from_config(config, 2, 24 * GIB, 64 * GIB)
+    with pytest.raises(PlanError, match="no smaller than the resident layer"):
+        make_plan(replace(request, substitute_layer_bytes=request.layer_bytes))

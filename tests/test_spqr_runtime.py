@@ -209,3 +209,21 @@ def test_a_source_on_a_q4_1_grid_gets_the_aligned_settings_unless_the_user_chose
     assert (chosen.groupsize, chosen.stats_bits, chosen.act_order) == (16, 3, True) and "--no-act-order" in hint
     three, _ = resolve_settings(QuantizeConfig(None, root_out, bits=3), on_grid)
     assert (three.groupsize, three.act_order) == (16, True)
+
+
+def test_a_spqr_target_drafts_for_itself(quantized, tmp_path, monkeypatch):
+    """The self-draft's substitutes start from the checkpoint's own weights in their column order (SpqrLinear.dense),
+    and speculating with them gives target-only decoding's tokens."""
+    from spec import FixedBudget
+    from spec.self_draft import SubstituteConfig, dense_layer, load_self_draft
+    from spec.self_speculator import SelfSpeculator
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    out, _ = quantized
+    model = load_model(LoadOptions(str(out), device="cpu", dtype="fp32", max_context=64, max_pass_tokens=16))
+    decoded = model.source.decode_layer(1, model.source.layer(1), torch.float32)
+    assert torch.equal(dense_layer(model.source, 1)["down"], decoded["down"].matrix.dequantize())
+    draft = load_self_draft(model, SubstituteConfig(4), layers=[1, 2, 3])
+    plain = Decoder(model.model, set(), DecodeConfig(12, 64)).generate([3, 17, 5], SamplingConfig())
+    spec = Decoder(model.model, set(), DecodeConfig(12, 64, max_pass_tokens=16), SelfSpeculator(draft, 8),
+                   FixedBudget(8)).generate([3, 17, 5], SamplingConfig())
+    assert spec.token_ids == plain.token_ids and spec.stats.num_target_passes < 12
