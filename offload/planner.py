@@ -139,8 +139,10 @@ def workspace_bytes(request: PlanRequest) -> int:
 
 
 def kv_cache_tokens(request: PlanRequest) -> int:
-    """Tokens the target's KV cache holds: a context per slot (a tree never takes a slot past its context)."""
-    return request.num_sequences * request.max_context
+    """Tokens the target's KV cache holds: a context per slot (a tree never takes a slot past its context), and a
+    self-draft's tree rows past it (it drafts in this cache: spec/self_speculator.py)."""
+    tree_rows = draft_slot_tokens(1, request.max_tree) if request.substitute_layer_bytes else 0
+    return request.num_sequences * (request.max_context + tree_rows)
 
 
 def draft_slot_tokens(max_context: int, max_tree: int) -> int:
@@ -171,9 +173,10 @@ def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
 
 
 def _kv_label(request: PlanRequest) -> str:
+    rows = f"{request.max_context} context" + (" + self-draft tree" if request.substitute_layer_bytes else "")
     if request.num_sequences == 1:
-        return f"KV cache ({request.max_context} context)"
-    return f"KV cache ({request.num_sequences} sequences x {request.max_context} context)"
+        return f"KV cache ({rows})"
+    return f"KV cache ({request.num_sequences} sequences x {rows})"
 
 
 def with_batch(plan: Plan, num_sequences: int) -> Plan:
@@ -208,6 +211,12 @@ def _ring_bytes(request: PlanRequest) -> int:
     all_layers = request.config.num_layers * request.device_layer_bytes
     fixed = sum(i.num_bytes for i in _fixed_items(request))
     return 0 if fixed + all_layers <= request.device_budget else request.ring_size * request.ring_slot_bytes
+
+
+def beside_layers_bytes(request: PlanRequest) -> int:
+    """What never streams plus the ring: the device bytes a plan that streams spends beside decoder layers and
+    substitutes (a self-draft's tree rows in the KV cache included)."""
+    return sum(item.num_bytes for item in _fixed_items(request)) + request.ring_size * request.ring_slot_bytes
 
 
 def streaming_budget(request: PlanRequest, resident_layers: int = 0) -> int:

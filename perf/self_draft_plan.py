@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from offload.planner import Plan, PlanRequest, format_bytes, make_plan, streaming_budget
+from offload.planner import Plan, PlanRequest, beside_layers_bytes, format_bytes, make_plan
 from spec.self_draft import SUBSTITUTE_BITS, SubstituteConfig, substitute_layer_bytes
 
 from .llama_cpp_offload import LlamaCppOffload
@@ -82,14 +82,12 @@ def substitute_options(request: PlanRequest, device_is_cpu: bool, curves: dict[i
                        settings: ProjectionSettings | None) -> list[SubstituteOption]:
     """One option per width, planned (and projected where `settings` describes a GPU and the width has a curve).
     `request`: the target alone (no draft, no substitutes)."""
-    # what never streams + the ring = the streaming budget with no resident layer, less its half-layer slack
-    fixed = streaming_budget(replace(request, substitute_layer_bytes=0), 0) - request.layer_bytes // 2
-    room, num_layers = request.device_budget - fixed, request.config.num_layers
-    options = []
+    num_layers, options = request.config.num_layers, []
     for bits in SUBSTITUTE_BITS:
         substitute = substitute_layer_bytes(request.config, SubstituteConfig(bits), device_is_cpu)
-        plan = make_plan(replace(request, substitute_layer_bytes=substitute)) if num_layers * substitute <= room \
-            else None
+        planned = replace(request, substitute_layer_bytes=substitute)
+        room = request.device_budget - beside_layers_bytes(planned)   # the KV cache holds the draft's tree rows too
+        plan = make_plan(planned) if num_layers * substitute <= room else None
         option = SubstituteOption(bits, substitute, num_layers, room, plan)
         if plan is not None:
             _project(option, curves[bits], settings)

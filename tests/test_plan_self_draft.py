@@ -25,6 +25,9 @@ SUBSTITUTE = {2: 223_232, 3: 296_960, 4: 370_688}
 # What never streams at context 64, budget 16 on CUDA: globals 1,049,088 + KV cache 2 x 6 layers x 128 x 64 tokens
 # x 2 = 196,608 + workspace 200,448 = 1,446,144; with a ring of 2 bf16 layers (2,361,344): 3,807,488
 FIXED_AND_RING = 3_807_488
+# A self-draft drafts in the target's KV cache: its tree rows (1 + 2 x 16 + 256 = 289 per slot, planner.draft_slot_tokens)
+# join it: 2 x 6 layers x 128 x 289 tokens x 2 = 887,808 more that never stream
+TREE_KV = 887_808
 
 
 @pytest.fixture
@@ -35,7 +38,7 @@ def tiny(tmp_path) -> Path:
 
 def _request(folder: Path, room: int):
     config = ModelConfig.from_file(folder)
-    return request_from_config(config, 2, FIXED_AND_RING + room, 1 << 40, max_context=64, max_tree=16)
+    return request_from_config(config, 2, FIXED_AND_RING + TREE_KV + room, 1 << 40, max_context=64, max_tree=16)
 
 
 @pytest.mark.parametrize("room, expected", [
@@ -55,7 +58,7 @@ def test_substitutes_fit_beside_what_never_streams(tiny, room, expected):
     for option in options:      # substitutes of the streamed layers; all six where they do not fit
         assert option.substitutes_bytes == (6 - option.num_resident) * SUBSTITUTE[option.bits]
         if option.plan is not None:
-            assert option.plan.bytes_in("device") <= FIXED_AND_RING + room
+            assert option.plan.bytes_in("device") <= FIXED_AND_RING + TREE_KV + room
     report = SelfDraftReport(options, all_resident=False)
     fitting = [bits for bits, (fits, _) in expected.items() if fits]
     assert (report.chosen.bits if report.chosen else None) == (max(fitting) if fitting else None)
@@ -70,7 +73,7 @@ def test_pick_is_the_most_tokens_per_second(tiny, capsys):
         (tiny / f"self_{bits}.json").write_text(json.dumps({"format": "acceptance-curve", "version": 1,
                                                             "points": points}))
     args = ["plan", "--target", str(tiny), "--draft", "self", "--acceptance", str(tiny / "self_{bits}.json"),
-            "--gpu", "rtx4090", "--gpu-mem", str(FIXED_AND_RING + 2_296_832), "--ram", "1GiB", "--context", "64",
+            "--gpu", "rtx4090", "--gpu-mem", str(FIXED_AND_RING + TREE_KV + 2_296_832), "--ram", "1GiB", "--context", "64",
             "--budget", "16", "--json"]
     assert cli.main(args) == 0
     report = json.loads(capsys.readouterr().out)["self_draft"]

@@ -253,3 +253,14 @@ def test_a_substitute_no_smaller_than_its_layer_is_refused():
     request = request_from_config(config, 2, 24 * GIB, 64 * GIB)
     with pytest.raises(PlanError, match="no smaller than the resident layer"):
         make_plan(replace(request, substitute_layer_bytes=request.layer_bytes))
+
+
+def test_the_plan_counts_the_self_drafts_tree_rows_in_the_kv_cache(streamed_target, tmp_path, monkeypatch):
+    """The decoder's slot cache holds a context and a self-draft's tree per slot; the plan's KV item is its bytes."""
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    speculator = SelfSpeculator(load_self_draft(target, settings), target.plan.request.max_tree)
+    decoder = Decoder(target.model, set(), DecodeConfig(max_context=target.plan.request.max_context,
+                                                        max_pass_tokens=64), speculator, FixedBudget(8))
+    [kv] = [item for item in target.plan.items if item.component.startswith("KV cache")]
+    assert "self-draft tree" in kv.component and kv.num_bytes == decoder.cache.num_bytes
