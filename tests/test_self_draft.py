@@ -88,7 +88,8 @@ def streamed_target(tmp_path_factory):
     options.gpu_mem = streaming_device_budget(options, 1)
     target = load_model(options)
     assert target.plan.tier_of.count("device") == 1
-    return target, settings
+    yield target, settings
+    target.close()                      # its ring's loader thread: later tests count the threads left running
 
 
 def _self_decoder(target, draft, budget: int, slots: int = 1) -> Decoder:
@@ -197,8 +198,9 @@ def test_simulated_passes_equal_live_self_speculation(streamed_target, tmp_path,
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    folder, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("auto"), "llama", seed=5, num_hidden_layers=4,
-                                     vocab_size=64)
+    # layers large beside the self-draft's tree rows in the KV cache (a plan weighs one against the other)
+    folder, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("auto"), "llama", seed=5, num_hidden_layers=8,
+                                     vocab_size=64, hidden_size=128, intermediate_size=1024, num_key_value_heads=1)
     return add_tiny_tokenizer(folder, 64)
 
 
