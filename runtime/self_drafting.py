@@ -17,13 +17,16 @@ from spec.self_draft import SELF_DRAFT, SUBSTITUTE_BITS, SubstituteConfig, subst
 
 ALL_RESIDENT = "every layer is resident"
 SELF_DRAFT_MAX_DEPTH = 96
-NOISE = 1.05                   # a measured rate must beat another by this factor to count as faster      # trees of a draft that agrees often run deep (a distilled draft's cap is 32)
+NOISE = 1.05                   # a measured rate must beat another by this factor to count as faster
+
+
+def bare_tiers(options: LoadOptions) -> list[str]:
+    """Each layer's tier when nothing but the target is planned."""
+    return plan_for(replace(options, substitute_layer_bytes=0, draft_bytes=0, draft_kv_token_bytes=0)).tier_of
 
 
 def streams_without_draft(options: LoadOptions) -> bool:
-    """Whether any layer streams when nothing but the target is planned."""
-    bare = replace(options, substitute_layer_bytes=0, draft_bytes=0, draft_kv_token_bytes=0)
-    return any(tier != "device" for tier in plan_for(bare).tier_of)
+    return any(tier != "device" for tier in bare_tiers(options))
 
 
 def choose_substitutes(options: LoadOptions, bits: int | None) -> tuple[SubstituteConfig, LoadOptions]:
@@ -48,13 +51,14 @@ def choose_substitutes(options: LoadOptions, bits: int | None) -> tuple[Substitu
 def auto_draft(options: LoadOptions, shipped: str | None) -> tuple[str | None, str]:
     """`--draft auto`: (the draft to use, why). Where every layer is resident, the shipped draft (a self-draft would
     be the target); where layers stream, the self-draft for a target without a shipped draft, else whichever of the
-    two decoded faster (by more than NOISE) end to end on the tier the plan streams from (measured on the default pair: drafts' step
-    costs and acceptance together, perf/data/draft_choice.json)."""
-    if not streams_without_draft(options):
+    two decoded faster (by more than NOISE) end to end on the tier the plan streams from (measured on the default
+    pair: drafts' step costs and acceptance together, perf/data/draft_choice.json)."""
+    tiers = bare_tiers(options)
+    if all(tier == "device" for tier in tiers):
         return shipped, ALL_RESIDENT
     if shipped is None:
         return SELF_DRAFT, "layers stream and the target has no shipped draft"
-    tier = "disk" if "disk" in plan_for(replace(options, substitute_layer_bytes=0)).tier_of else "ram"
+    tier = "disk" if "disk" in tiers else "ram"
     rates = measured_draft_rates()[tier]
     choice = SELF_DRAFT if rates[SELF_DRAFT] > NOISE * rates["shipped"] else shipped
     return choice, (f"layers stream from {tier}; measured there on the default pair: self-draft "
