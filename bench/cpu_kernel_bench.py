@@ -6,6 +6,9 @@
 crossover  one pass of M new tokens (M = 1..512) after a 128-token context: packed / dense seconds
 decode     greedy one-token decoding, resident: tokens per second, packed and dense (prefill excluded), and
            with --llama-cpp llama.cpp on the same file, prompt ids and threads
+prefill    one pass of N prompt tokens (N = 64..4,096), packed: all rows as tree rows (float64 attention, int4
+           products), prompt rows attending in fp32, and attending in fp32 with dense products (row_split.py);
+           the dense fp32 model beside them
 context    one-token steps after 100-1,900 tokens: packed attending in float64 (exact), in fp32, and dense
 stream     every layer streamed from RAM: one-token pass seconds; and one layer repacked vs decoded
 quality    perplexity on held-out code, prose and math (bench quant's texts), greedy answers to the chat
@@ -27,13 +30,17 @@ import torch
 import textdata
 from offload import LoadOptions
 from offload.loader import streaming_device_budget
+from offload.weights.row_split import NEVER, PromptRouting
 from runtime.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("dense", "packed")
-PARTS = ("crossover", "decode", "context", "stream", "quality")
+PARTS = ("crossover", "prefill", "decode", "context", "stream", "quality")
 PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128
+PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+ROUTINGS = {"packed": PromptRouting(NEVER, NEVER), "fp32_attention": PromptRouting(1, NEVER),
+            "fp32_attention_dense": PromptRouting(1, 1)}
 
 
 def _load(target: str | None, kernel: str, **kwargs):
@@ -72,6 +79,29 @@ def crossover(models: dict, repeats: int) -> dict:
                      "packed_over_dense": round(seconds["packed"] / seconds["dense"], 3)})
     slower = [row["tokens"] for row in rows if row["packed_over_dense"] > 1]
     return {"context": CONTEXT, "passes": rows, "packed_slower_from": min(slower) if slower else None}
+
+
+def prefill(target: str | None, repeats: int) -> dict:
+    """Pass seconds of N prompt tokens by routing (row_split.py), alternated, and the dense fp32 model's."""
+    largest = max(PREFILL_TOKENS)
+    models = {k: load_model(LoadOptions(target, device="cpu", dtype="fp32", cpu_kernel=k, max_context=largest + 1,
+                                        max_pass_tokens=largest)).model for k in KERNELS}
+    rows = []
+    for num_tokens in PREFILL_TOKENS:
+        tokens = torch.randint(0, 1000, (1, num_tokens), generator=torch.Generator().manual_seed(0))
+
+        def one_pass(model, routing=None):
+            if routing is not None:
+                model.prompt_routing = routing
+            model.forward(tokens, model.new_cache(num_tokens + 1), last_only=True, prompt_from=0)
+        runs = {name: (lambda r=routing: one_pass(models["packed"], r)) for name, routing in ROUTINGS.items()}
+        runs["dense_model"] = lambda: one_pass(models["dense"])
+        seconds = _alternate(runs, repeats if num_tokens <= 512 else max(2, repeats // 3))
+        rows.append({"tokens": num_tokens, **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
+                     **{f"packed_over_{k}": round(seconds["packed"] / seconds[k], 3) for k in seconds if k != "packed"}})
+    models["packed"].prompt_routing = PromptRouting()
+    return {"passes": rows, "routing_default": {"attention_rows": PromptRouting().attention_rows,
+                                                "dense_rows": PromptRouting().dense_rows}}
 
 
 def _chat_ids(tokenizer, limit: int | None = None) -> list[list[int]]:
@@ -245,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "cpu-kernel", "command": " ".join(["python -m bench.cpu_kernel_bench", *(argv or sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
-    models = {k: _load(args.target, k) for k in KERNELS} if set(parts) - {"stream"} else {}
+    models = {k: _load(args.target, k) for k in KERNELS} if set(parts) - {"stream", "prefill"} else {}
     if "crossover" in parts:
         result["crossover"] = crossover(models, args.repeats)
+    if "prefill" in parts:
+        result["prefill"] = prefill(args.target, args.repeats)
     if "decode" in parts:
         result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, args.llama_cpp)
     if "context" in parts:
@@ -275,6 +307,9 @@ def _headline(part: str, value: dict) -> str:
         return f"packed slower from {value['packed_slower_from']} tokens per pass"
     if part == "decode":
         return f"{value['tokens_per_second']} tok/s"
+    if part == "prefill":
+        return "packed / routed " + ", ".join(f"{r['tokens']}: {r['packed_over_fp32_attention']}/"
+                                              f"{r['packed_over_fp32_attention_dense']}" for r in value["passes"])
     if part == "context":
         return "one-token step ms " + ", ".join(f"{r['context']}: {r['packed_float64_ms']}/{r['packed_fp32_ms']}/"
                                                f"{r['dense_ms']}" for r in value["steps"]) + " (float64/fp32/dense)"

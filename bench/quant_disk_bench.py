@@ -67,6 +67,8 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = l
     if config.gguf_in_place:        # the GGUF's blocks decoded at use, and ahead by a decoder thread
         in_place = str(resolve_model(config.target))
         runs += _with_ahead(_Run(in_place, "fp32", "gguf-in-place", "GGUF in place"))
+        # the CLI's CPU default: its matrices multiplied as stored (packed_linear), each streamed layer repacked
+        runs.append(_Run(in_place, "fp32", "gguf-in-place-packed", "GGUF in place, packed kernel", cpu_kernel="packed"))
     for folder in config.packed:    # dequantized at use (the default) and ahead by a decoder thread, side by side
         runs += _with_ahead(_Run(str(folder), "fp32", Path(folder).name, checkpoint_label(Path(folder))))
     measured: dict[str, list[dict]] = {}
@@ -125,6 +127,7 @@ class _Run:
     name: str             # the row's key in the JSON
     label: str            # the row as tables name it
     ahead: bool = False   # packed layers decoded by a decoder thread between their read and their compute
+    cpu_kernel: str = "dense"
 
 
 def _with_ahead(run: _Run) -> list[_Run]:
@@ -145,7 +148,8 @@ def checkpoint_label(folder: Path) -> str:
 def _measure(run: _Run, config: DiskBenchConfig, on_status) -> dict:
     name = run.name
     options = LoadOptions(run.model, dtype=run.dtype, ram=1, disk_cold=True, max_context=MAX_CONTEXT,
-                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=run.ahead, formats=weight_formats())
+                          max_pass_tokens=MAX_PASS_TOKENS, decode_ahead=run.ahead, formats=weight_formats(),
+                          cpu_kernel=run.cpu_kernel)
     options.gpu_mem = streaming_device_budget(options)
     loaded = load_model(options)
     try:

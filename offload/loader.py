@@ -22,6 +22,7 @@ from offload.tiers import DiskTier, RamTier
 from offload.weights.tokenizer import Tokenizer
 from offload.weights.formats import WeightFormat, open_source
 from offload.weights.source import WeightSource
+from offload.weights.row_split import PromptRouting
 
 
 CPU_KERNELS = ("dense", "packed")
@@ -210,7 +211,15 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         dtype_bytes=dtype.itemsize, kv_dtype_bytes=8 if on_packed_kernel(source, options, device) else 0,   # float64
         ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",
-        num_sequences=options.num_sequences, substitute_layer_bytes=options.substitute_layer_bytes)
+        num_sequences=options.num_sequences, substitute_layer_bytes=options.substitute_layer_bytes,
+        prompt_dense_bytes=_prompt_dense_bytes(options, source, device, dtype))
+
+
+def _prompt_dense_bytes(options: LoadOptions, source: WeightSource, device: torch.device, dtype: torch.dtype) -> int:
+    """The dense layer long prompt chunks multiply on the int4 kernel, where a pass may hold that many."""
+    if not on_packed_kernel(source, options, device) or options.max_pass_tokens < PromptRouting().dense_rows:
+        return 0
+    return source.config.layer_param_count * dtype.itemsize
 
 
 # A CPU's ring holds up to this many bytes of layers (2 to 6 layers): a pass's work that streams nothing (resident
@@ -255,7 +264,16 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, plan.request.ring_size, options.disk_cold,
                            decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead,
                                            on_kernel),
-                           decode_ahead=options.decode_ahead)
+                           decode_ahead=options.decode_ahead, dense=_dense_decoder(source, dtype) if on_kernel else None)
+
+
+def _dense_decoder(source: WeightSource, dtype: torch.dtype):
+    """A packed-kernel layer decoded dense, for a pass's long prompt rows (offload/weights/row_split.py): from a
+    ring slot's bytes, or a resident layer's from the file, into the one workspace layers decoded at use share."""
+    def dense(index: int, stored: dict | None) -> dict:
+        layer = source.decode_layer(index, source.layer(index) if stored is None else stored, dtype, shared=True)
+        return {name: value.dense() if hasattr(value, "dense") else value for name, value in layer.items()}
+    return dense
 
 
 def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resident_decoded: bool, ahead: bool,

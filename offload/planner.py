@@ -58,6 +58,9 @@ class PlanRequest:
     # A self-draft (spec/self_draft.py) keeps a low-bit substitute of every streamed layer on the device: each
     # layer that streams costs these bytes there, so resident layers and substitutes share the device budget.
     substitute_layer_bytes: int = 0
+    # one layer decoded dense for long prompt chunks on the CPU's int4 kernel (offload/weights/row_split.py), where
+    # a pass may hold that many prompt rows
+    prompt_dense_bytes: int = 0
 
     @property
     def device_layer_bytes(self) -> int:
@@ -169,6 +172,8 @@ def _fixed_items(request: PlanRequest, streams: bool = True) -> list[PlanItem]:
         fixed.insert(1, PlanItem("draft model", "device", request.draft_bytes))
     if request.decode_workspace_bytes and (streams or not request.resident_layer_bytes):
         fixed.append(PlanItem("decode workspace (1 dense layer)", "device", request.decode_workspace_bytes))
+    if request.prompt_dense_bytes:
+        fixed.append(PlanItem("long prompts' dense layer", "device", request.prompt_dense_bytes))
     return fixed
 
 

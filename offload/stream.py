@@ -73,12 +73,13 @@ class StreamingLayers:
 
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
-                 disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False) -> None:
+                 disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False, dense=None) -> None:
         if ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {ring_size}")
         self.layout, self.resident, self.tier_of = layout, resident, tier_of
         self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
         self.decode_ahead = decode_ahead
+        self._dense = dense              # (index, stored or None for a resident layer) -> the layer decoded dense
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
         # a disk layer read whole by O_DIRECT into a host buffer, used in place (CPU) or copied per tensor
@@ -145,6 +146,15 @@ class StreamingLayers:
         if slot.decoded is not None:
             return slot.decoded
         return self.decode(index, self._stored(slot))
+
+    def dense(self, index: int) -> dict[str, Tensor] | None:
+        """The layer `get` handed out, decoded dense (valid until the next call), or None where its products
+        have no dense form (row_split.py)."""
+        if self._dense is None:
+            return None
+        if self.tier_of[index] == "device":
+            return self._dense(index, None)
+        return self._dense(index, self._stored(self.slots[self._next_use % len(self.slots)]))
 
     def release(self, index: int) -> None:
         if self.tier_of[index] == "device":

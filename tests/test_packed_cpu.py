@@ -17,6 +17,7 @@ from offload.weights.formats import open_source
 from offload.weights.ggml_types import GGMLType
 from offload.weights.packed_linear import FUSED, Int4Head, Int4Weight
 from offload.weights.resolve import resolve_model
+from offload.weights.row_split import PromptRouting
 from offload.weights.safetensors_io import write_safetensors
 from offload.weights.source import CheckpointSource
 import textdata
@@ -137,11 +138,14 @@ def test_a_tree_pass_gives_each_row_the_bits_of_one_token_passes(default_packed,
 
 
 @pytest.mark.e2e
-def test_packed_speculation_equals_packed_one_token_decoding(default_packed):
+@pytest.mark.parametrize("routing", [PromptRouting(), PromptRouting(1, 1)], ids=["default", "prompts-dense"])
+def test_packed_speculation_equals_packed_one_token_decoding(default_packed, routing):
     """Through the decode loop (a slot cache of float64 keys): the default draft's trees at budget 16 give the
-    tokens one-token greedy decoding gives, on two chat prompts."""
+    tokens one-token greedy decoding gives, on two chat prompts; also where every prompt chunk attends in fp32
+    and multiplies dense (row_split.py), since both runs prefill alike."""
     from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
     target = default_packed
+    target.model.prompt_routing = routing
     draft = load_any_draft(str(default_draft_for(None)), target, LoadOptions(device="cpu", max_context=2048))
     config = DecodeConfig(24, 2048, max_pass_tokens=1024)
     reference = Decoder(target.model, target.stop_ids, config)
@@ -152,6 +156,7 @@ def test_packed_speculation_equals_packed_one_token_decoding(default_packed):
         result = speculative.generate(ids, SamplingConfig())
         assert result.token_ids == reference.generate(ids, SamplingConfig()).token_ids
         assert result.stats.tokens_per_pass > 1
+    target.model.prompt_routing = PromptRouting()
 
 
 @pytest.mark.e2e

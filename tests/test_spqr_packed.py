@@ -240,6 +240,8 @@ def test_a_tree_pass_gives_each_row_the_bits_of_one_token_passes(default_w4g32, 
 
 
 @pytest.mark.e2e
-def test_packed_speculation_equals_packed_one_token_decoding(default_w4g32):
+@pytest.mark.parametrize("dense_prompts", [False, True])
+def test_packed_speculation_equals_packed_one_token_decoding(default_w4g32, dense_prompts):
+    from offload.weights.row_split import PromptRouting
     from test_packed_cpu import test_packed_speculation_equals_packed_one_token_decoding as speculation_test
-    speculation_test(default_w4g32)
+    speculation_test(default_w4g32, PromptRouting(1, 1) if dense_prompts else PromptRouting())

@@ -18,6 +18,7 @@ from offload.model.kvcache import KVCache
 from offload.model.layers import decoder_layer, linear, rms_norm
 from offload.model.masks import apply_sliding_window, causal_mask
 from offload.model.rope import Rotary
+from offload.weights.row_split import PromptRouting, split_rows
 
 
 class LayerProvider(Protocol):
@@ -52,6 +53,7 @@ class DecoderModel:
         # float64 where the layers attend in float64 (products by a row-exact kernel: layers.py), so that keys
         # and values are cast once, at their append, not at every pass
         self.cache_dtype = dtype
+        self.prompt_routing = PromptRouting()    # where such layers compute long prompt chunks the fast way
 
     def new_cache(self, max_length: int, batch_size: int = 1) -> KVCache:
         return KVCache(self.config, max_length, self.device, self.cache_dtype, batch_size)
@@ -59,12 +61,15 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                 mask: Tensor | None = None, return_hidden: bool = False,
-                last_only: bool = False, keep_pending: bool = False, rows: Tensor | None = None) -> ForwardOutput:
+                last_only: bool = False, keep_pending: bool = False, rows: Tensor | None = None,
+                prompt_from: int | None = None) -> ForwardOutput:
         """tokens [B, N]; positions [B, N] (default: cache.length + arange); mask [B, N, S] or [N, S]
         bool over S = the cache's slots + N (default: causal). Adds N pending slots to `cache`, after
         the pending ones when `keep_pending` (then positions and mask are the caller's), else in
         their place. `cache` is a KVCache or a SlotCache (a packed pass over many sequences). rows [R]:
-        only these new tokens' logits (and hidden states) are computed, [B, R, V]."""
+        only these new tokens' logits (and hidden states) are computed, [B, R, V]. prompt_from: the new tokens
+        from there on are prompt chunks, which a packed model attends in its dtype and multiplies dense when they
+        are many (offload/weights/row_split.py)."""
         tokens = send(tokens, self.device)        # host inputs go down without waiting for the device
         batch, num_new = tokens.shape
         if positions is None:
@@ -77,9 +82,16 @@ class DecoderModel:
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = F.embedding(tokens, self.embed).to(self.dtype)
         self.layers.begin_pass(batch * num_new)
+        prompt_rows = 0 if prompt_from is None else num_new - prompt_from
+        dense = getattr(self.layers, "dense", None) if prompt_rows >= self.prompt_routing.dense_rows else None
+        fast_prompt = prompt_from if prompt_rows >= self.prompt_routing.attention_rows else None
         try:
             for index in range(self.config.num_layers):
-                x = decoder_layer(x, self.layers.get(index), self.config, index, cos, sin, mask[:, None], cache)
+                w = self.layers.get(index)
+                dense_layer = dense(index) if dense else None
+                if dense_layer is not None:
+                    w = split_rows(w, dense_layer, prompt_from)
+                x = decoder_layer(x, w, self.config, index, cos, sin, mask[:, None], cache, fast_prompt)
                 self.layers.release(index)
         except BaseException:   # Ctrl-C or a load error mid-pass: the provider resets its ring
             self.layers.abort()
