@@ -93,7 +93,7 @@ def prefill(target: str | None, repeats: int) -> dict:
         def one_pass(model, routing=None):
             if routing is not None:
                 model.prompt_routing = routing
-            model.forward(tokens, model.new_cache(num_tokens + 1), last_only=True, prompt_from=0)
+            model.forward(tokens, model.new_cache(num_tokens + 1), last_only=True, prompt_chunks=[(0, num_tokens)])
         runs = {name: (lambda r=routing: one_pass(models["packed"], r)) for name, routing in ROUTINGS.items()}
         runs["dense_model"] = lambda: one_pass(models["dense"])
         seconds = _alternate(runs, repeats if num_tokens <= 512 else max(2, repeats // 3))

@@ -4,7 +4,7 @@ device memory a resident target layer cannot use)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from importlib import resources
 
 from offload import LoadOptions
@@ -13,7 +13,9 @@ from offload.devices import choose_device
 from offload.model.config import ModelConfig
 from offload.planner import PlanError
 from offload.weights.resolve import resolve_model
+from offload.weights.safetensors_io import CorruptCheckpointError
 from spec.self_draft import SELF_DRAFT, SUBSTITUTE_BITS, SubstituteConfig, substitute_layer_bytes
+from .speculation import DraftChoice
 
 ALL_RESIDENT = "every layer is resident"
 SELF_DRAFT_MAX_DEPTH = 96
@@ -70,3 +72,44 @@ def measured_draft_rates() -> dict[str, dict[str, float]]:
     "source"), shipped in perf/data."""
     text = resources.files("perf").joinpath("data").joinpath("draft_choice.json").read_text()
     return json.loads(text)["speedup_vs_autoregressive"]
+
+
+def auto_draft_choice(options: LoadOptions, shipped: str | None, fallback: DraftChoice, on_status=None) -> DraftChoice:
+    """`--draft auto` (no --draft) for a session planned with `options` (no draft in them): auto_draft's pick, said
+    in a status line where layers stream; `fallback` where the plan fails (the load then raises the same error,
+    with its own context)."""
+    try:
+        spec, why = auto_draft(options, shipped)
+    except (PlanError, CorruptCheckpointError):
+        return fallback
+    if on_status and why != ALL_RESIDENT:
+        on_status(f"draft: {'self' if spec == SELF_DRAFT else 'the shipped draft'} (auto: {why})")
+    return DraftChoice(spec)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfDraftPlan:
+    choice: DraftChoice                      # the self-draft, no draft (all resident), or the shipped draft
+    substitutes: SubstituteConfig | None     # the self-draft's, where it is kept
+    options: LoadOptions                     # the target's load options, substitutes planned
+
+
+def plan_self_draft(options: LoadOptions, bits: int | None, asked: bool, shipped: str | None,
+                    on_status=None) -> SelfDraftPlan:
+    """Room in the plan for a self-draft's substitutes. None where every layer is resident without them (the
+    self-draft would be the target: decoding goes on without a draft); where they do not fit, the shipped draft
+    unless the user `asked` for the self-draft or there is none (then the PlanError)."""
+    if not streams_without_draft(options):
+        if on_status:
+            on_status("self-draft: every layer is resident, so it would cost what the target costs; "
+                      "decoding without a draft")
+        return SelfDraftPlan(DraftChoice(None), None, options)
+    try:
+        substitutes, planned = choose_substitutes(options, bits)
+    except PlanError as err:
+        if asked or shipped is None:
+            raise
+        if on_status:
+            on_status(f"draft: the shipped draft (auto: the self-draft does not fit: {err})")
+        return SelfDraftPlan(DraftChoice(shipped), None, options)
+    return SelfDraftPlan(DraftChoice(SELF_DRAFT), substitutes, planned)

@@ -10,18 +10,17 @@ from offload import LoadedModel, LoadOptions, StreamDecoder
 from offload.loader import DEFAULT_CPU_KERNEL
 from offload.devices import choose_device
 from offload.planner import PlanError, with_batch
-from offload.weights.safetensors_io import CorruptCheckpointError
 from offload.weights.resolve import DEFAULT_MODEL_NAME, is_default_model
 from perf.probe import auto_budget, pass_time_curve, throughput_batch
 from perf.tree_size import BudgetChooser, check_budget
 from spec import DecodeConfig, Decoder, DecodeResult, FixedBudget, SamplingConfig, Speculator
 from spec.draft import is_draft_folder, load_draft
 from .models import load_model, weight_formats
-from .speculation import (DraftChoice, DraftFootprint, DraftUnavailable, choose_draft, draft_dtype_bytes,
+from .speculation import (DraftFootprint, DraftUnavailable, choose_draft, draft_dtype_bytes,
                           estimated_draft_footprint, load_draft_for, max_budget_for)
 from spec.self_draft import SELF_DRAFT, SubstituteConfig, load_self_draft
 from spec.self_speculator import SelfSpeculator
-from .self_drafting import ALL_RESIDENT, SELF_DRAFT_MAX_DEPTH, auto_draft, choose_substitutes, streams_without_draft
+from .self_drafting import SELF_DRAFT_MAX_DEPTH, auto_draft_choice, plan_self_draft
 from .stop import HeldBackText, StopStrings
 
 
@@ -79,9 +78,13 @@ class RuntimeConfig:
                 raise FileNotFoundError(f"judge file not found: {judge_path(self.judge)}")
 
 
+def _is_draft_folder(target: str | None) -> bool:
+    return bool(target) and is_draft_folder(Path(target).expanduser())
+
+
 def _load_target(options: LoadOptions, on_status, on_progress) -> LoadedModel:
     """A draft folder runs on its own too (a quick look at its quality); anything else is a model."""
-    if options.model and is_draft_folder(Path(options.model).expanduser()):
+    if _is_draft_folder(options.model):
         return load_draft(options, on_status)
     return load_model(options, on_status, on_progress)
 
@@ -93,8 +96,9 @@ class Session:
         self.draft_choice = choose_draft(config.target, config.draft, config.no_draft)
         self.shipped_draft = self.draft_choice.spec if config.draft is None else None
         self.substitutes: SubstituteConfig | None = None      # a self-draft's, once the plan has room for them
-        if config.draft is None and not config.no_draft:
-            self.draft_choice = self._auto_draft(on_status)
+        if config.draft is None and not config.no_draft and not _is_draft_folder(config.target):
+            options = self._options(max_budget_for(config.budget, config.device), DraftFootprint())
+            self.draft_choice = auto_draft_choice(options, self.shipped_draft, self.draft_choice, on_status)
         max_budget = max_budget_for(config.budget, config.device) if self.draft_choice.spec else 1
         self.target, max_budget = self._load_target(max_budget, on_status, on_progress)
         self.tokenizer = self.target.tokenizer
@@ -130,8 +134,12 @@ class Session:
             self.options = self._options(max_budget, estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device)))
             self.options.num_sequences = self._batch_size(self.options)
             try:
-                if spec == SELF_DRAFT and not self._plan_substitutes(on_status):
-                    continue                 # auto's self-draft did not fit: planned again with the shipped draft
+                if spec == SELF_DRAFT:
+                    planned = plan_self_draft(self.options, config.draft_bits, config.draft == SELF_DRAFT,
+                                              self.shipped_draft, on_status)
+                    self.draft_choice, self.substitutes, self.options = planned.choice, planned.substitutes, planned.options
+                    if self.draft_choice.spec not in (SELF_DRAFT, None):
+                        continue             # auto's self-draft did not fit: planned again with the shipped draft
                 return _load_target(self.options, on_status, on_progress), max_budget
             except PlanError as err:
                 if config.budget is not None or max_budget <= MIN_PASS_TOKENS:
@@ -146,42 +154,6 @@ class Session:
                            draft_bytes=draft.weight_bytes, formats=weight_formats(),
                            draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
                            cpu_kernel=config.cpu_kernel)
-
-    def _auto_draft(self, on_status) -> DraftChoice:
-        """`--draft auto` (no --draft): the self-draft or the shipped one (self_drafting.auto_draft), said in a
-        status line where layers stream."""
-        target = self.config.target
-        if target and is_draft_folder(Path(target).expanduser()):
-            return self.draft_choice            # a draft folder runs alone
-        options = self._options(max_budget_for(self.config.budget, self.config.device), DraftFootprint())
-        try:
-            spec, why = auto_draft(options, self.shipped_draft)
-        except (PlanError, CorruptCheckpointError):
-            return self.draft_choice            # the load raises the same error, with its own context
-        if on_status and why != ALL_RESIDENT:
-            on_status(f"draft: {'self' if spec == SELF_DRAFT else 'the shipped draft'} (auto: {why})")
-        return DraftChoice(spec)
-
-    def _plan_substitutes(self, on_status) -> bool:
-        """Room in the plan for a self-draft's substitutes; none where every layer is resident without them (the
-        self-draft would be the target: decoding goes on without a draft). -> False where auto's self-draft does
-        not fit: the shipped draft replaces it."""
-        if not streams_without_draft(self.options):
-            self.draft_choice = choose_draft(None, None, True)
-            if on_status:
-                on_status("self-draft: every layer is resident, so it would cost what the target costs; "
-                          "decoding without a draft")
-            return True
-        try:
-            self.substitutes, self.options = choose_substitutes(self.options, self.config.draft_bits)
-        except PlanError as err:
-            if self.config.draft == SELF_DRAFT or self.shipped_draft is None:
-                raise
-            self.draft_choice = DraftChoice(self.shipped_draft)
-            if on_status:
-                on_status(f"draft: the shipped draft (auto: the self-draft does not fit: {err})")
-            return False
-        return True
 
     def _batch_size(self, options: LoadOptions) -> int:
         """The batch the plan sizes the KV cache for: the configured one, or auto's pick."""

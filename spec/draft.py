@@ -43,16 +43,17 @@ class DraftDecoderModel(DecoderModel):
     def forward_trimmed(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                         mask: Tensor | None = None, return_hidden: bool = False,
                         last_only: bool = False, keep_pending: bool = False,
-                        rows: Tensor | None = None) -> ForwardOutput:
+                        rows: Tensor | None = None, prompt_chunks: list | None = None) -> ForwardOutput:
         """As DecoderModel.forward, with logits [B, N, K] over the draft's rows (map: self.vocab_map)."""
-        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows)
+        out = super().forward(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows, prompt_chunks)
         return ForwardOutput(out.logits + self.head_bias, out.hidden)
 
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None, mask: Tensor | None = None,
                 return_hidden: bool = False, last_only: bool = False, keep_pending: bool = False,
-                rows: Tensor | None = None) -> ForwardOutput:
+                rows: Tensor | None = None, prompt_chunks: list | None = None) -> ForwardOutput:
         """logits [B, N, V] over target ids; tokens outside the draft's vocabulary get -inf."""
-        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows)
+        out = self.forward_trimmed(tokens, cache, positions, mask, return_hidden, last_only, keep_pending, rows,
+                                   prompt_chunks)
         return ForwardOutput(expand_to_target_vocab(out.logits, self.vocab_map, self.config.vocab_size), out.hidden)
 
 

@@ -145,12 +145,12 @@ class PassBuilder:
     def _forward(self, parts: list[Part]) -> tuple[Tensor, Tensor | None]:
         """One packed target pass -> logits [R, V] (every tree node, each prompt chunk's last token) and
         hidden states [R, H] when the policy asks for them."""
-        rows, offset, prompt_from = [], 0, None
-        for part in parts:      # trees first, then prompt chunks (run): the prompt rows are the pass's tail
+        rows, offset, chunks = [], 0, []
+        for part in parts:
             count = part.tokens.numel()
             rows.extend(range(offset, offset + count) if part.tree is not None else [offset + count - 1])
-            if part.tree is None and prompt_from is None:
-                prompt_from = offset
+            if part.tree is None:
+                chunks.append((offset, offset + count))
             offset += count
         self.cache.begin([(part.sequence.slot, part.tokens.numel()) for part in parts])
         mask = parts[0].mask if len(parts) == 1 else block_mask([p.mask for p in parts])
@@ -158,7 +158,7 @@ class PassBuilder:
         output = target.forward(torch.cat([p.tokens for p in parts])[None], self.cache,
                                 torch.cat([p.positions for p in parts])[None], mask,
                                 return_hidden=self.decoder.policy.needs_hidden,
-                                rows=None if offset == len(rows) else torch.tensor(rows), prompt_from=prompt_from)
+                                rows=None if offset == len(rows) else torch.tensor(rows), prompt_chunks=chunks)
         target.synchronize()      # the choices' read would wait anyway; here it is timed as the pass
         return output.logits[0], output.hidden[0] if output.hidden is not None else None
 

@@ -29,21 +29,22 @@ def _ids(model, count: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits(model, ids: torch.Tensor, routing: PromptRouting, prompt_from: int | None = 0) -> torch.Tensor:
+def _logits(model, ids: torch.Tensor, routing: PromptRouting, chunks: list | None = None) -> torch.Tensor:
     model.prompt_routing = routing
-    return model.forward(ids, model.new_cache(ids.shape[1] + 1), prompt_from=prompt_from).logits[0]   # [N, V]
+    chunks = [(0, ids.shape[1])] if chunks is None else chunks
+    return model.forward(ids, model.new_cache(ids.shape[1] + 1), prompt_chunks=chunks).logits[0]   # [N, V]
 
 
 def test_a_split_weight_keeps_the_packed_bits_before_its_start_and_multiplies_dense_after(tiny):
     loaded = load_model(_options(tiny, cpu_kernel="packed"))
     name, packed = next((n, w) for n, w in loaded.layers.resident[0].items() if isinstance(w, Int4Weight))
-    layer = split_rows(loaded.layers.resident[0], loaded.layers.dense(0), 3)
+    layer = split_rows(loaded.layers.resident[0], loaded.layers.dense(0), [(3, 7)])
     assert isinstance(layer[name], RowSplitWeight) and torch.is_tensor(layer["input_norm"])
-    x = torch.randn(1, 7, packed.shape[1], generator=torch.Generator().manual_seed(1))
-    out = layer[name].matmul(x)                                                              # [1, 7, N]
-    assert torch.equal(out[:, :3], packed.matmul(x[:, :3]))
-    dense = torch.cat([torch.nn.functional.linear(x[:, 3:], w) for w in layer[name].dense], dim=-1)
-    assert torch.equal(out[:, 3:], dense) and not torch.equal(out[:, 3:], packed.matmul(x[:, 3:]))
+    x = torch.randn(1, 9, packed.shape[1], generator=torch.Generator().manual_seed(1))
+    out = layer[name].matmul(x)                                                              # [1, 9, N]
+    assert torch.equal(out[:, :3], packed.matmul(x[:, :3])) and torch.equal(out[:, 7:], packed.matmul(x[:, 7:]))
+    dense = torch.cat([torch.nn.functional.linear(x[:, 3:7], w) for w in layer[name].dense], dim=-1)
+    assert torch.equal(out[:, 3:7], dense) and not torch.equal(out[:, 3:7], packed.matmul(x[:, 3:7]))
 
 
 def test_routed_prompts_stay_near_the_packed_pass_and_stream_as_they_run_resident(tiny):
@@ -68,18 +69,19 @@ def test_routed_prompts_stay_near_the_packed_pass_and_stream_as_they_run_residen
 def test_rows_before_the_prompt_keep_their_bits(tiny):
     model = load_model(_options(tiny, cpu_kernel="packed")).model
     ids = _ids(model, 12)
-    packed, routed = _logits(model, ids, PACKED), _logits(model, ids, ALWAYS, prompt_from=5)
+    packed, routed = _logits(model, ids, PACKED), _logits(model, ids, ALWAYS, [(5, 12)])
     assert torch.equal(routed[:5], packed[:5]) and not torch.equal(routed[5:], packed[5:])
 
 
 def test_a_tree_beside_a_routed_prompt_chunk_gets_the_bits_it_gets_alone(tiny):
-    """The decode loop's pass: one sequence's tree first, another's prompt chunk after it (prompt_from)."""
+    """The decode loop's pass: one sequence's tree first, another's prompt chunk after it; and the chunk gets the
+    bits it gets alone (routing is decided chunk by chunk, not by the pass)."""
     model = load_model(_options(tiny, cpu_kernel="packed")).model
     model.prompt_routing = ALWAYS
     cache = SlotCache(model.config, 2, 64, model.device, model.cache_dtype)
     prompt, tree, joining = _ids(model, 6, 1)[0], _ids(model, 4, 2)[0], _ids(model, 12, 3)[0]
     cache.begin([(0, 6)])
-    model.forward(prompt[None], cache, torch.arange(6)[None], causal_mask(0, 6, model.device), prompt_from=0)
+    model.forward(prompt[None], cache, torch.arange(6)[None], causal_mask(0, 6, model.device), prompt_chunks=[(0, 6)])
     cache.commit(0)
     cache.begin([(0, 4)])
     positions = torch.arange(6, 10)
@@ -88,8 +90,19 @@ def test_a_tree_beside_a_routed_prompt_chunk_gets_the_bits_it_gets_alone(tiny):
     cache.begin([(0, 4), (1, 12)])
     mask = block_mask([causal_mask(6, 4, model.device), causal_mask(0, 12, model.device)])
     beside = model.forward(torch.cat([tree, joining])[None], cache, torch.cat([positions, torch.arange(12)])[None],
-                           mask, prompt_from=4).logits[0]                                     # [16, V]
+                           mask, prompt_chunks=[(4, 16)]).logits[0]                         # [16, V]
     assert torch.equal(beside[:4], alone)
+    cache.truncate(1, 0)
+    cache.begin([(1, 12)])
+    joined = model.forward(joining[None], cache, torch.arange(12)[None], causal_mask(0, 12, model.device),
+                           prompt_chunks=[(0, 12)]).logits[0]                                # [12, V]
+    assert torch.equal(beside[4:], joined)
+
+
+def test_routing_is_decided_chunk_by_chunk():
+    routing = PromptRouting(attention_rows=4, dense_rows=8)
+    assert routing.fast([(0, 3), (3, 7), (7, 20)]) == ([(3, 7), (7, 20)], [(7, 20)])
+    assert routing.fast(None) == ([], [])
 
 
 def test_prompt_routing_thresholds_are_checked():

@@ -62,14 +62,14 @@ class DecoderModel:
     def forward(self, tokens: Tensor, cache: KVCache, positions: Tensor | None = None,
                 mask: Tensor | None = None, return_hidden: bool = False,
                 last_only: bool = False, keep_pending: bool = False, rows: Tensor | None = None,
-                prompt_from: int | None = None) -> ForwardOutput:
+                prompt_chunks: list[tuple[int, int]] | None = None) -> ForwardOutput:
         """tokens [B, N]; positions [B, N] (default: cache.length + arange); mask [B, N, S] or [N, S]
         bool over S = the cache's slots + N (default: causal). Adds N pending slots to `cache`, after
         the pending ones when `keep_pending` (then positions and mask are the caller's), else in
         their place. `cache` is a KVCache or a SlotCache (a packed pass over many sequences). rows [R]:
-        only these new tokens' logits (and hidden states) are computed, [B, R, V]. prompt_from: the new tokens
-        from there on are prompt chunks, which a packed model attends in its dtype and multiplies dense when they
-        are many (offload/weights/row_split.py)."""
+        only these new tokens' logits (and hidden states) are computed, [B, R, V]. prompt_chunks: the new tokens'
+        row ranges that are prompt chunks, which a packed model attends in its dtype and multiplies dense where
+        they are long (offload/weights/row_split.py)."""
         tokens = send(tokens, self.device)        # host inputs go down without waiting for the device
         batch, num_new = tokens.shape
         if positions is None:
@@ -82,16 +82,15 @@ class DecoderModel:
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         x = F.embedding(tokens, self.embed).to(self.dtype)
         self.layers.begin_pass(batch * num_new)
-        prompt_rows = 0 if prompt_from is None else num_new - prompt_from
-        dense = getattr(self.layers, "dense", None) if prompt_rows >= self.prompt_routing.dense_rows else None
-        fast_prompt = prompt_from if prompt_rows >= self.prompt_routing.attention_rows else None
+        fast_chunks, dense_chunks = self.prompt_routing.fast(prompt_chunks)
+        dense = getattr(self.layers, "dense", None) if dense_chunks else None
         try:
             for index in range(self.config.num_layers):
                 w = self.layers.get(index)
                 dense_layer = dense(index) if dense else None
                 if dense_layer is not None:
-                    w = split_rows(w, dense_layer, prompt_from)
-                x = decoder_layer(x, w, self.config, index, cos, sin, mask[:, None], cache, fast_prompt)
+                    w = split_rows(w, dense_layer, dense_chunks)
+                x = decoder_layer(x, w, self.config, index, cos, sin, mask[:, None], cache, fast_chunks)
                 self.layers.release(index)
         except BaseException:   # Ctrl-C or a load error mid-pass: the provider resets its ring
             self.layers.abort()

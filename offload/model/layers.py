@@ -26,11 +26,12 @@ def linear(x: Tensor, weight, bias: Tensor | None = None) -> Tensor:
 
 
 def decoder_layer(x: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index: int,
-                  cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache, prompt_from: int | None = None) -> Tensor:
-    """x [B, N, H] -> [B, N, H]; mask [B, 1, N, cache.length + N] bool (True = may attend). prompt_from: rows
-    from there on are prompt chunks, which attend in x's dtype even where the others attend in float64."""
+                  cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+                  fast_chunks: list[tuple[int, int]] | None = None) -> Tensor:
+    """x [B, N, H] -> [B, N, H]; mask [B, 1, N, cache.length + N] bool (True = may attend). fast_chunks: rows of
+    prompt chunks that attend in x's dtype, over their own keys, even where the others attend in float64."""
     x = x + _attention(rms_norm(x, w["input_norm"], config.rms_norm_eps), w, config, layer_index,
-                       cos, sin, mask, cache, prompt_from)
+                       cos, sin, mask, cache, fast_chunks)
     h = rms_norm(x, w["post_norm"], config.rms_norm_eps)
     if "gate_up" in w:           # gate and up stacked into one weight (packed_linear.fuse_layer)
         gate, up = linear(h, w["gate_up"]).chunk(2, dim=-1)
@@ -40,7 +41,8 @@ def decoder_layer(x: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_in
 
 
 def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index: int,
-               cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache, prompt_from: int | None = None) -> Tensor:
+               cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+               fast_chunks: list[tuple[int, int]] | None = None) -> Tensor:
     batch, num_new, _ = h.shape
     q, k, v = _projections(h, w, config)
     q = _heads(q, config.num_heads)                                          # [B, H, N, D]
@@ -65,16 +67,32 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     gqa = config.num_heads != config.num_kv_heads
     # a slot cache's per-sequence blocks where splitting pays (the mask is block-diagonal: each attends over its
     # own keys only), else one attention over all keys under the mask
-    segments = (cache.segments() if hasattr(cache, "segments") else None) or [(0, num_new, 0, keys.shape[2])]
-    if exact and prompt_from is not None:   # long prompt rows (row_split.py) attend in h's dtype, 2.6x faster
-        segments = [part for q0, q1, k0, k1 in segments
-                    for part in ((q0, min(q1, prompt_from), k0, k1), (max(q0, prompt_from), q1, k0, k1)) if part[0] < part[1]]
+    calls = [(*segment, None) for segment in
+             (cache.segments() if hasattr(cache, "segments") else None) or [(0, num_new, 0, keys.shape[2])]]
+    if exact and fast_chunks:   # long prompt chunks (row_split.py) attend in h's dtype, 2.6x faster
+        blocks = cache.blocks() if hasattr(cache, "blocks") else [(0, num_new, 0, keys.shape[2])]
+        calls = _carve(calls, [(*block, h.dtype) for block in blocks if block[:2] in fast_chunks])
     out = torch.cat([_attend(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1], mask[..., q0:q1, k0:k1], gqa,
-                             h.dtype if exact and prompt_from is not None and q0 >= prompt_from else None)
-                     for q0, q1, k0, k1 in segments], dim=2)                   # [B, H, N, D]
+                             dtype) for q0, q1, k0, k1, dtype in calls], dim=2)   # [B, H, N, D]
     if exact:
         out = out.to(h.dtype)
     return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
+
+
+def _carve(calls: list[tuple], own: list[tuple]) -> list[tuple]:
+    """Attention calls (first query, end query, first key, end key, dtype), each query row in one: the `own`
+    calls' query rows taken out of `calls`, which keep the rest of theirs."""
+    out = list(own)
+    for q0, q1, k0, k1, dtype in calls:
+        row = q0
+        for first, end, *_ in sorted(own):
+            if first < q1 and end > row:
+                if first > row:
+                    out.append((row, first, k0, k1, dtype))
+                row = max(row, end)
+        if row < q1:
+            out.append((row, q1, k0, k1, dtype))
+    return sorted(out, key=lambda call: call[0])
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, gqa: bool, dtype: torch.dtype | None) -> Tensor:

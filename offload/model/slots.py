@@ -44,6 +44,7 @@ class SlotCache:
         self._write_rows: Tensor | None = None                         # [N] store rows of the pass's tokens
         self._read_rows: Tensor | None = None                          # [S] store rows the pass attends over
         self._segments: list[tuple[int, int, int, int]] | None = None   # per sequence: query rows, key rows
+        self._blocks: list[tuple[int, int, int, int]] = []
         self._span: tuple[int, int, int] | None = None                 # a one-slot pass: first, first new, end row
 
     @property
@@ -90,6 +91,7 @@ class SlotCache:
             key_start = segments[-1][3] if segments else 0
             segments.append((offset, offset + count, key_start, key_start + end))
             offset += count
+        self._blocks = segments
         self._segments = segments if _worth_splitting(segments) else None
         self._span = spans[0] if len(spans) == 1 else None    # one sequence reads and writes its rows in place
         if self._span is None:
@@ -101,6 +103,10 @@ class SlotCache:
         """Per sequence of the reserved pass, (first query, end query, first key, end key) in packed order
         when attending block by block pays; None: one attention over all keys under the block mask."""
         return self._segments
+
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        """Per sequence of the reserved pass, (first query, end query, first key, end key) in packed order."""
+        return self._blocks
 
     def key_positions(self) -> Tensor:
         """[1, S] the position of every key the pass attends over."""
