@@ -12,6 +12,8 @@ link < (dense_bytes - packed_bytes) / decode_seconds.
 """
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 
 import torch
@@ -25,7 +27,7 @@ from offload.bandwidth import cold_read_gbps, copy_gbps
 
 def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_tokens: list[int], device: str = "auto",
                      dtype: str = "auto", repeats: int = 3, on_status=None, direct_reads: bool = True,
-                     ring_size: int | None = None) -> dict:
+                     ring_size: int | None = None, beside_compute: bool = False) -> dict:
     if tier not in ("ram", "disk"):
         raise ValueError(f"tier must be ram or disk, got {tier!r}")
     max_tokens = max(pass_tokens)
@@ -43,7 +45,7 @@ def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_to
                              f"(the plan keeps all {len(loaded.plan.tier_of)} on the device at {max_tokens} "
                              "tokens per pass): lower --gpu-mem")
         decode_clock = _time_decode(loaded)
-        rows = [_measure(loaded, tier, n, repeats, decode_clock) for n in pass_tokens]
+        rows = [_measure(loaded, tier, n, repeats, decode_clock, beside_compute) for n in pass_tokens]
     finally:
         loaded.layers.close()
     result = {"bench": "stream", "tier": tier, "device": str(loaded.model.device),
@@ -90,12 +92,15 @@ def _packed_figures(loaded, rows: list[dict]) -> dict:
                                "(dense bytes in the compute dtype minus packed bytes, over decode seconds)"}
 
 
-def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: list[float]) -> dict:
+def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: list[float],
+             beside_compute: bool = False) -> dict:
     model, layers = loaded.model, loaded.layers
     tokens = torch.randint(0, loaded.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
     _one_pass(model, tokens)   # warm-up (and fills the ring for the first measured pass)
-    best, paired = None, []
+    best, paired, beside = None, [], []
     for _ in range(repeats):
+        if beside_compute:
+            beside.append(_beside_compute(loaded, lambda: _raw_bandwidth(loaded, tier)))
         raw_gbps = _raw_bandwidth(loaded, tier)
         _one_pass(model, tokens)   # the raw read left the ring idle: one pass to refill it as decoding would
         decode_clock[0] = 0.0
@@ -106,6 +111,15 @@ def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: lis
             best = (seconds, stats, decode_clock[0])
     seconds, stats, decode_seconds = best
     efficiency, raw_gbps = sorted(paired)[len(paired) // 2]
+    row = _row(num_tokens, seconds, stats, raw_gbps, efficiency, paired, decode_seconds)
+    if beside:      # the tier's rate while the cores multiply as a pass does: what the loader competes with
+        rate = statistics.median(beside)
+        row.update(raw_gbps_beside_compute=round(rate, 3),
+                   efficiency_vs_raw_beside_compute=round(stats.bytes_streamed / (rate * 1e9) / seconds, 4))
+    return row
+
+
+def _row(num_tokens, seconds, stats, raw_gbps, efficiency, paired, decode_seconds) -> dict:
     return {"tokens": num_tokens, "pass_seconds": round(seconds, 5), "bytes_streamed": stats.bytes_streamed,
             "wait_seconds": round(stats.wait_seconds, 5), "raw_gbps": round(raw_gbps, 3),
             "achieved_gbps": round(stats.bytes_streamed / seconds / 1e9, 3),
@@ -121,6 +135,25 @@ def _one_pass(model, tokens: torch.Tensor) -> float:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - start
+
+
+def _beside_compute(loaded, measure) -> float:
+    """measure() while a second thread multiplies fp32 matrix-vector products over one layer's bytes, over and
+    over, on the compute's thread count (a one-token pass's compute, without the ring)."""
+    hidden = loaded.config.hidden_size
+    weights = torch.randn(max(loaded.layers.layout.num_bytes // 4 // hidden, 1), hidden)     # [R, H] fp32
+    vector, done = torch.randn(hidden, 1), threading.Event()
+
+    def multiply() -> None:
+        while not done.is_set():
+            torch.mm(weights, vector)
+    worker = threading.Thread(target=multiply, name="bench-compute", daemon=True)
+    worker.start()
+    try:
+        return measure()
+    finally:
+        done.set()
+        worker.join()
 
 
 def _raw_bandwidth(loaded, tier: str) -> float:

@@ -44,6 +44,9 @@ def stream_flags(stream) -> None:
                              "cache (default: direct)")
     stream.add_argument("--ring-size", type=int, default=None,
                         help="streamed layers in flight (default: the engine's, LoadOptions.ring_size)")
+    stream.add_argument("--beside-compute", action="store_true",
+                        help="also measure the tier's raw rate while a thread multiplies as a pass does, and the "
+                             "efficiency against that rate")
     add_device(stream)
     add_dtype(stream)
     stream.add_argument("--repeats", type=int, default=3, help="measured passes per size, best kept (default: 3)")

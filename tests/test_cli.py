@@ -89,7 +89,8 @@ def test_user_errors_are_one_line_without_traceback(args, fragment):
 
 
 def test_bench_stream_compares_passes_with_the_tier_bandwidth():
-    result = cli("bench", "stream", "--gpu-mem", "300MiB", "--tokens", "1,4", "--repeats", "1", "--json")
+    result = cli("bench", "stream", "--gpu-mem", "300MiB", "--tokens", "1,4", "--repeats", "1", "--json",
+                 "--beside-compute")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["layers"]["ram"] > 0 and [row["tokens"] for row in report["passes"]] == [1, 4]
@@ -97,6 +98,8 @@ def test_bench_stream_compares_passes_with_the_tier_bandwidth():
         assert row["bytes_streamed"] == report["layers"]["ram"] * report["layer_bytes"]
         assert row["raw_gbps"] > 0 and 0 < row["efficiency"] == pytest.approx(
             row["bytes_streamed"] / (row["raw_gbps"] * 1e9) / row["pass_seconds"], rel=0.01)
+        assert row["raw_gbps_beside_compute"] > 0 and row["efficiency_vs_raw_beside_compute"] == pytest.approx(
+            row["bytes_streamed"] / (row["raw_gbps_beside_compute"] * 1e9) / row["pass_seconds"], rel=0.01)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
