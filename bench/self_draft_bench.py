@@ -15,20 +15,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import textdata
-from offload import LoadOptions
-from offload.devices import choose_device
 from offload.loader import streaming_device_budget
-from offload.weights.resolve import resolve_model
-from offload.model.config import ModelConfig
 from runtime import RuntimeConfig, Session
-from runtime.models import weight_formats
-from runtime.speculation import AUTO_MAX_BUDGET, draft_dtype_bytes, estimated_draft_footprint
+from runtime.session import planned_options
 from spec import SamplingConfig, default_draft_for
 from spec.distill.prompts import prompts_from_jsonl
-from spec.self_draft import SELF_DRAFT, SubstituteConfig, substitute_layer_bytes
+from spec.self_draft import SELF_DRAFT, SubstituteConfig
 
 DRAFTS = ("none", "shipped", SELF_DRAFT)
 
@@ -90,27 +85,10 @@ def _session(config: SelfDraftBenchConfig, draft: str, on_status) -> Session:
                             gguf_import=config.gguf_import, cpu_kernel="dense",
                             budget=config.budget if draft != "none" else None,
                             draft_bits=config.draft_bits if draft == SELF_DRAFT else None)
-    runtime.gpu_mem = streaming_device_budget(_planned_options(config, draft), config.resident_layers)
+    # the budget that keeps resident_layers on the device beside what the session plans (draft, substitutes)
+    runtime.gpu_mem = streaming_device_budget(planned_options(runtime), config.resident_layers)
     on_status(f"{draft}: --gpu-mem {runtime.gpu_mem / 2**20:.0f} MiB")
     return Session(runtime, on_status=on_status)
-
-
-def _planned_options(config: SelfDraftBenchConfig, draft: str) -> LoadOptions:
-    """The load options a session of this draft plans with (Session._load_target's, at auto's largest tree)."""
-    device = choose_device(config.device)
-    max_pass = max(512, config.budget or AUTO_MAX_BUDGET[device.type]) if draft != "none" else 512
-    options = LoadOptions(None, config.device, "fp32", max_context=config.max_context, max_pass_tokens=max_pass,
-                          formats=weight_formats(), gguf_import=config.gguf_import, cpu_kernel="dense",
-                          ram=1 if config.tier == "disk" else None)
-    if draft == "shipped":
-        spec = str(default_draft_for(None))
-        footprint = estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device))
-        options = replace(options, draft_bytes=footprint.weight_bytes, draft_kv_token_bytes=footprint.kv_token_bytes)
-    if draft == SELF_DRAFT:
-        model_config = ModelConfig.from_file(resolve_model(None, gguf_import=config.gguf_import))
-        options = replace(options, substitute_layer_bytes=substitute_layer_bytes(
-            model_config, SubstituteConfig(config.draft_bits), device_is_cpu=device.type == "cpu"))
-    return options
 
 
 def _row(session: Session, runs: list) -> dict:

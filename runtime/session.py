@@ -20,7 +20,7 @@ from .speculation import (DraftFootprint, DraftUnavailable, choose_draft, draft_
                           estimated_draft_footprint, load_draft_for, max_budget_for)
 from spec.self_draft import SELF_DRAFT, SubstituteConfig, load_self_draft
 from spec.self_speculator import SelfSpeculator
-from .self_drafting import SELF_DRAFT_MAX_DEPTH, auto_draft_choice, plan_self_draft
+from .self_drafting import SELF_DRAFT_MAX_DEPTH, auto_draft_choice, choose_substitutes, plan_self_draft
 from .stop import HeldBackText, StopStrings
 
 
@@ -89,6 +89,25 @@ def _load_target(options: LoadOptions, on_status, on_progress) -> LoadedModel:
     return load_model(options, on_status, on_progress)
 
 
+def load_options(config: RuntimeConfig, max_budget: int, draft: DraftFootprint) -> LoadOptions:
+    """The target's load options for trees of up to max_budget tokens beside a draft of this footprint."""
+    return LoadOptions(config.target, config.device, config.dtype, config.allow_download, gpu_mem=config.gpu_mem,
+                       ram=config.ram, max_context=config.max_context,
+                       max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
+                       draft_bytes=draft.weight_bytes, formats=weight_formats(),
+                       draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
+                       cpu_kernel=config.cpu_kernel)
+
+
+def planned_options(config: RuntimeConfig) -> LoadOptions:
+    """What a session of `config` with an explicit draft (or none) first plans with: auto's largest tree (or the
+    fixed budget), the named draft's footprint, a self-draft's substitutes at --draft-bits (else the most that fit)."""
+    spec = choose_draft(config.target, config.draft, config.no_draft).spec
+    max_budget = max_budget_for(config.budget, config.device) if spec else 1
+    options = load_options(config, max_budget, estimated_draft_footprint(spec, draft_dtype_bytes(spec, config.device)))
+    return choose_substitutes(options, config.draft_bits)[1] if spec == SELF_DRAFT else options
+
+
 class Session:
     def __init__(self, config: RuntimeConfig, on_status=None, on_warning=None, on_progress=None) -> None:
         """on_status(text), on_warning(text): one-line messages; on_progress(done, total): a GGUF import."""
@@ -147,13 +166,7 @@ class Session:
                 max_budget //= 2
 
     def _options(self, max_budget: int, draft: DraftFootprint) -> LoadOptions:
-        config = self.config
-        return LoadOptions(config.target, config.device, config.dtype, config.allow_download, gpu_mem=config.gpu_mem,
-                           ram=config.ram, max_context=config.max_context,
-                           max_pass_tokens=max(MIN_PASS_TOKENS, max_budget), disk_cold=config.disk_cold,
-                           draft_bytes=draft.weight_bytes, formats=weight_formats(),
-                           draft_kv_token_bytes=draft.kv_token_bytes, gguf_import=config.gguf_import,
-                           cpu_kernel=config.cpu_kernel)
+        return load_options(self.config, max_budget, draft)
 
     def _batch_size(self, options: LoadOptions) -> int:
         """The batch the plan sizes the KV cache for: the configured one, or auto's pick."""
