@@ -105,7 +105,8 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
                for p in prompts_from_jsonl(path, is_evaluation=True)[:config.limit]]
     answers = _answers(config, target, prompts, on_status)
     draft, run_one = _drafting(config, target, on_status)
-    checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes"))
+    growth = [] if draft.growth_temperature == 1.0 else [f"growth temperature {draft.growth_temperature}"]
+    checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth))
     rows = []
     for budget in config.budgets:
         passes, seconds = [], 0.0
@@ -124,6 +125,7 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
     return {"bench": TREE_SIMULATION, "target": target.path.name, "draft": _draft_name(config, draft),
             "draft_dtype": str(draft.model.dtype).removeprefix("torch."), "cpu_kernel": config.cpu_kernel,
+            "growth_temperature": draft.growth_temperature,
             "num_prompts": len(prompts),
             "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in answers), "rows": rows}
 
@@ -145,7 +147,7 @@ def _drafting(config: TreeSimulationConfig, target, on_status):
         layers = list(range(min(config.resident_layers, target.config.num_layers), target.config.num_layers))
         draft = load_self_draft(target, SubstituteConfig(config.draft_bits), on_status, layers=layers)
         return draft, lambda p, a, budget: simulate_self(draft, target.model, p, a, budget, config.max_new_tokens,
-                                                         SELF_DRAFT_MAX_DEPTH)
+                                                         SELF_DRAFT_MAX_DEPTH, draft.growth_temperature)
     draft = load_any_draft(config.draft or str(default_draft_for(config.target)), target, LoadOptions(device="cpu"))
     return draft, lambda p, a, budget: simulate(draft, p, a, budget, config.max_new_tokens)
 

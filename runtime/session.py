@@ -130,8 +130,10 @@ class Session:
         if self.batch_size < self.target.plan.request.num_sequences:     # the plan counts what is allocated
             self.target.plan = with_batch(self.target.plan, self.batch_size)
         is_self = self.draft is not None and self.draft.is_self
+        self_growth = {"max_depth": SELF_DRAFT_MAX_DEPTH,
+                       "greedy_growth_temperature": self.draft.growth_temperature} if is_self else {}
         decode = DecodeConfig(max_context=config.max_context, max_pass_tokens=self.options.max_pass_tokens,
-                              max_slots=self.batch_size, **({"max_depth": SELF_DRAFT_MAX_DEPTH} if is_self else {}))
+                              max_slots=self.batch_size, **self_growth)
         self.decoder = Decoder(self.target.model, self.target.stop_ids, decode, self._speculator(decode), budget,
                                self.policy)
 

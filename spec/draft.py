@@ -124,6 +124,7 @@ class Draft:
     def __init__(self, loaded: LoadedModel, target_vocab_size: int, is_self: bool = False) -> None:
         self.loaded, self.model = loaded, loaded.model
         self.is_self = is_self          # the target with substitute layers (spec/self_draft.py): shares its cache
+        self.growth_temperature = 1.0   # its trees' scores for a greedy target (GrowthConfig.temperature)
         self.is_trimmed = isinstance(loaded.model, DraftDecoderModel)
         if self.is_trimmed:
             self.vocab_map = loaded.model.vocab_map                                  # [K]
@@ -167,13 +168,15 @@ class Draft:
                          rows=rows).logits
         return logits[0, :, :self.num_rows].float()
 
-    def to_log_probs(self, logits: Tensor, penalties: Penalties | None = None, paths: Tensor | None = None) -> Tensor:
-        """One sequence's logits [N, K] -> log-probabilities [N, K] under its `penalties` (see log_probs)."""
+    def to_log_probs(self, logits: Tensor, penalties: Penalties | None = None, paths: Tensor | None = None,
+                     temperature: float = 1.0) -> Tensor:
+        """One sequence's logits [N, K] -> log-probabilities [N, K] under its `penalties` (see log_probs), at
+        `temperature`."""
         if penalties is not None:
             if penalties.repetition != 1.0:
                 logits = logits - logits.logsumexp(-1).mean() + penalties.logit_level
             logits = penalties.apply(logits, paths, self.row_of)
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
     def close(self) -> None:
         self.loaded.layers.close()

@@ -36,6 +36,10 @@ class GrowthConfig:
     # Expected tokens a round must be able to add to be worth its draft forward (0: grow to the budget). A
     # round expands nodes whose children hold at most the nodes' own path probability, so their sum bounds it.
     min_gain: float = 0.0
+    # The draft's log-probabilities score nodes at this temperature (verification never reads them, so any value
+    # stays exact): below 1 for a draft that is the target's own layers and a greedy target, whose argmax chain it
+    # follows far more often than its temperature-1 probabilities say (spec/self_speculator.py).
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -44,6 +48,8 @@ class GrowthConfig:
             raise ValueError("tree width and children must be >= 1, depth >= 0")
         if not self.min_gain >= 0:
             raise ValueError(f"a round's minimum gain must be >= 0, got {self.min_gain}")
+        if not self.temperature > 0:
+            raise ValueError(f"a growth temperature must be > 0, got {self.temperature}")
 
     @classmethod
     def chain(cls, budget: int) -> "GrowthConfig":

@@ -120,7 +120,7 @@ class PassBuilder:
             if budget > 1 and speculator:
                 remaining = sequence.request.max_new_tokens - sequence.result.stats.num_new_tokens
                 proposals.append((part, Proposal(sequence.slot, sequence.cached_ids, answer[-1],
-                                                 self.config.growth(budget, remaining), penalties)))
+                                                 self.config.growth(budget, remaining, sampling), penalties)))
             else:
                 part.tree = Tree.root_only(answer[-1])
         draft_seconds = 0.0

@@ -20,6 +20,9 @@ class DecodeConfig:
     max_children: int = MAX_CHILDREN
     max_depth: int = MAX_DEPTH
     max_slots: int = 1              # sequences decoded together (KV cache slots)
+    # Growth scores at the request's temperature, and at this one for a greedy request (None: the draft's own
+    # log-probabilities, temperature 1): a self-draft's (spec/self_speculator.py).
+    greedy_growth_temperature: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -32,10 +35,15 @@ class DecodeConfig:
             raise ValueError(f"a pass of {self.max_pass_tokens} tokens cannot hold one token of each of "
                              f"{self.max_slots} sequences")
 
-    def growth(self, budget: int, remaining: int) -> GrowthConfig:
+    def growth(self, budget: int, remaining: int, sampling: SamplingConfig | None = None) -> GrowthConfig:
         """A step's tree with `remaining` tokens left to emit: no deeper than remaining - 1 (the target
         adds one token after the accepted path)."""
-        return GrowthConfig(budget, self.max_width, self.max_children, min(self.max_depth, remaining - 1))
+        temperature = 1.0
+        if self.greedy_growth_temperature is not None:
+            greedy = sampling is None or sampling.temperature == 0
+            temperature = self.greedy_growth_temperature if greedy else sampling.temperature
+        return GrowthConfig(budget, self.max_width, self.max_children, min(self.max_depth, remaining - 1),
+                            temperature=temperature)
 
 
 class StopCondition(Protocol):

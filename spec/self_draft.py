@@ -25,7 +25,7 @@ from .draft import Draft
 
 SELF_DRAFT = "self"
 SUBSTITUTE_BITS = (2, 3, 4)
-CACHE_FORMAT, CACHE_VERSION = "specstream-substitutes", 1
+CACHE_FORMAT, CACHE_VERSION = "specstream-substitutes", 2   # 2: each file records its relative error
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 STACKED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}      # products over one input: one product each
 
@@ -102,14 +102,28 @@ def load_self_draft(target: LoadedModel, settings: SubstituteConfig, on_status=N
     if not streamed:
         raise ValueError("every layer is resident: a self-draft would cost what the target costs")
     model = target.model
-    substitutes = SubstituteCache(target, settings).load(streamed, on_status)
+    cache = SubstituteCache(target, settings)
+    substitutes = cache.load(streamed, on_status)
     layers = SubstituteLayers(target, substitutes)
     draft_model = DecoderModel(target.config, {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head},
                                layers, model.device, model.dtype)
     draft_model.cache_dtype = model.cache_dtype
     loaded = LoadedModel(target.path, target.config, target.tokenizer, draft_model, layers, target.plan,
                          target.stop_ids)
-    return Draft(loaded, target.config.vocab_size, is_self=True)
+    draft = Draft(loaded, target.config.vocab_size, is_self=True)
+    draft.growth_temperature = growth_temperature(cache.mean_error)
+    return draft
+
+
+def growth_temperature(weight_error: float | None) -> float:
+    """The temperature a self-draft's trees grow at for a greedy target (GrowthConfig.temperature), by its
+    substitutes' mean relative weight error. Measured on the default model (`python cli.py bench tree-simulation
+    --draft self`, 4 prompts, 128-token answers, tokens per pass at budget 64): 4-bit substitutes of its Q4_1 grid
+    (error 0.000) 8.2 / 14.6 / 23.1 / 35.7 at temperatures 1 / 0.5 / 0.25 / 0.1; 3-bit (error 0.139) 6.1 / 7.0 /
+    5.7 / 4.5. A draft that is nearly the target follows its argmax chain; a rougher one needs its siblings."""
+    if weight_error is None or weight_error >= 0.2:
+        return 1.0
+    return 0.1 if weight_error < 0.02 else 0.5
 
 
 class SubstituteCache:
@@ -122,6 +136,7 @@ class SubstituteCache:
         self.device = target.model.device
         self.folder = cache_root() / "substitutes" / f"{target.path.name}-{self._key()}"
         self.shapes = matrix_shapes(target.config)
+        self.mean_error: float | None = None
 
     def _key(self) -> str:
         files = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.source.file_paths()]
@@ -129,15 +144,19 @@ class SubstituteCache:
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def load(self, layers: list[int], on_status=None) -> dict[int, dict]:
-        started, made, errors = time.perf_counter(), 0, []
+        """Each layer's substitute on the device (made and cached where missing); sets mean_error, the mean
+        relative weight error over them (None where a cached file predates its record)."""
+        started, made, errors, read_errors = time.perf_counter(), 0, [], []
         out = {}
         for index in layers:
-            matrices, rest = self._read(index)
+            matrices, rest, error = self._read(index)
             if matrices is None:
                 matrices, rest, error = self._make(index)
                 errors.append(error)
                 made += 1
+            read_errors.append(error)
             out[index] = self._on_device(matrices, rest)
+        self.mean_error = None if None in read_errors else sum(read_errors) / max(len(read_errors), 1)
         if made and on_status:
             on_status(f"self-draft: {made} substitute layers made at {self.settings.bits} bits in "
                       f"{time.perf_counter() - started:.1f} s (cached for the next start; mean relative weight error "
@@ -147,20 +166,23 @@ class SubstituteCache:
     def _path(self, index: int) -> Path:
         return self.folder / f"layer_{index:03d}.safetensors"
 
-    def _read(self, index: int) -> tuple[dict[str, LowBitMatrix] | None, dict[str, Tensor]]:
-        from safetensors import SafetensorError
+    def _read(self, index: int) -> tuple[dict[str, LowBitMatrix] | None, dict[str, Tensor], float | None]:
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
         path = self._path(index)
         if not path.is_file():
-            return None, {}
+            return None, {}, None
         try:
             tensors = load_file(path)
             matrices = {name: from_tensors(tensors, name, shape, self.settings.bits, self.settings.group)
                         for name, shape in self.shapes.items()}
+            with safe_open(path, "pt") as opened:
+                error = (opened.metadata() or {}).get("relative_error")
+            error = float(error) if error is not None else None
         except (OSError, ValueError, KeyError, SafetensorError, CorruptCheckpointError):
-            return None, {}           # unreadable or stale: made again
+            return None, {}, None     # unreadable or stale: made again
         rest = {name.removeprefix("rest."): t for name, t in tensors.items() if name.startswith("rest.")}
-        return matrices, rest
+        return matrices, rest, error
 
     def _make(self, index: int) -> tuple[dict[str, LowBitMatrix], dict[str, Tensor], float]:
         from safetensors.torch import save_file
@@ -173,7 +195,8 @@ class SubstituteCache:
         tensors.update({f"rest.{name}": t for name, t in rest.items()})
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = self._path(index).with_suffix(".partial")
-        save_file(tensors, partial, metadata={"format": CACHE_FORMAT, "version": str(CACHE_VERSION)})
+        save_file(tensors, partial, metadata={"format": CACHE_FORMAT, "version": str(CACHE_VERSION),
+                                              "relative_error": repr(error)})
         partial.replace(self._path(index))
         return matrices, rest, error
 

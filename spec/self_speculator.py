@@ -111,5 +111,5 @@ class SelfSpeculator(Speculator):
                                    torch.tensor([lengths]), block_mask([causal_mask(n, 1, HOST) for n in lengths]),
                                    keep_pending=False)                                       # [R, K]
         self.num_draft_forwards += 1
-        return [self.draft.to_log_probs(logits[i:i + 1], p.penalties, torch.tensor([[p.root]]))[-1]
+        return [self.draft.to_log_probs(logits[i:i + 1], p.penalties, torch.tensor([[p.root]]), p.growth.temperature)[-1]
                 for i, p in enumerate(proposals)]

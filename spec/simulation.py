@@ -59,7 +59,7 @@ def _followed_path(tree: Tree, answer: list[int], position: int) -> list[int]:
 
 
 def simulate_self(draft: Draft, target: DecoderModel, prompt_ids: list[int], answer: list[int], budget: int,
-                  max_new_tokens: int, max_depth: int = MAX_DEPTH) -> int:
+                  max_new_tokens: int, max_depth: int = MAX_DEPTH, greedy_growth_temperature: float | None = None) -> int:
     """simulate() for a self-draft: it drafts in the target's own cache, so the target writes the committed keys
     (a prefill, then each step's accepted tokens: a few tokens per step, never the tree)."""
     cache = SlotCache(target.config, 1, len(prompt_ids) + len(answer) + draft_slot_tokens(1, budget), target.device,
@@ -69,7 +69,8 @@ def simulate_self(draft: Draft, target: DecoderModel, prompt_ids: list[int], ans
     _commit(target, cache, prompt_ids)
     committed, position, passes = list(prompt_ids), 0, 0
     while position < len(answer) - 1:
-        growth = DecodeConfig(max_new_tokens, max_depth=max_depth).growth(budget, max_new_tokens - (position + 1))
+        growth = DecodeConfig(max_new_tokens, max_depth=max_depth, greedy_growth_temperature=greedy_growth_temperature
+                              ).growth(budget, max_new_tokens - (position + 1))
         [(tree, _)] = speculator.propose([Proposal(0, committed, answer[position], growth)])
         path = _followed_path(tree, answer, position)
         accepted = [answer[position + i] for i in range(len(path))]

@@ -136,7 +136,8 @@ class Speculator:
             rows = logits[offset:offset + chosen.numel()]
             offset += chosen.numel()
             paths = path_tokens(growth.pool.tokens, growth.pool.parents, chosen) if proposal.penalties else None
-            growth.expanded(chosen, self.draft.to_log_probs(rows, proposal.penalties, paths), first)
+            growth.expanded(chosen, self.draft.to_log_probs(rows, proposal.penalties, paths,
+                                                            proposal.growth.temperature), first)
 
     def _catch_up(self, proposals: list[Proposal]) -> list[Tensor]:
         """Brings each slot's committed draft cache to committed_ids + [root] in packed passes of at most
@@ -180,4 +181,5 @@ class Speculator:
             rests[index] = rests[index][len(chunk):]
             if not rests[index]:
                 root_path = torch.tensor([[proposal.root]])
-                results[index] = self.draft.to_log_probs(logits[row:row + 1], proposal.penalties, root_path)[-1]
+                results[index] = self.draft.to_log_probs(logits[row:row + 1], proposal.penalties, root_path,
+                                                         proposal.growth.temperature)[-1]

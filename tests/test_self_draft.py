@@ -14,7 +14,7 @@ from offload.planner import GIB, PlanError, make_plan, request_from_config
 from quant.baselines import round_to_nearest
 from quant.lowbit import LowBitWeight, from_tensors, quantize_matrix, relative_error, substitute_weight, to_tensors
 from spec import DecodeConfig, DecodeRequest, Decoder, FixedBudget, SamplingConfig
-from spec.self_draft import SubstituteConfig, load_self_draft, substitute_layer_bytes
+from spec.self_draft import SubstituteConfig, growth_temperature, load_self_draft, substitute_layer_bytes
 from spec.grow import Growth, GrowthConfig
 from spec.self_speculator import SelfSpeculator, StepClock
 from spec.simulation import simulate_self
@@ -92,19 +92,22 @@ def streamed_target(tmp_path_factory):
     target.close()                      # its ring's loader thread: later tests count the threads left running
 
 
-def _self_decoder(target, draft, budget: int, slots: int = 1) -> Decoder:
-    config = DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64, max_slots=slots, max_depth=64)
+def _self_decoder(target, draft, budget: int, slots: int = 1, temperature: float | None = None) -> Decoder:
+    config = DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64, max_slots=slots, max_depth=64,
+                          greedy_growth_temperature=temperature)
     return Decoder(target.model, set(), config, SelfSpeculator(draft, 64, slots), FixedBudget(budget))
 
 
-@pytest.mark.parametrize("budget", [2, 8, 32])
-def test_greedy_self_speculation_equals_target_only_decoding(streamed_target, budget, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget, temperature", [(2, None), (8, None), (32, None), (8, 0.1)])
+def test_greedy_self_speculation_equals_target_only_decoding(streamed_target, budget, temperature, tmp_path,
+                                                             monkeypatch):
+    """Also where trees grow at a low temperature (deep argmax chains): verification never reads the scores."""
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
     target, settings = streamed_target
     draft = load_self_draft(target, settings)
     assert draft.model.layers.num_substitutes == 3
     plain = Decoder(target.model, set(), DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64))
-    decoder = _self_decoder(target, draft, budget)
+    decoder = _self_decoder(target, draft, budget, temperature=temperature)
     passes = 0
     for prompt in PROMPTS:
         plain.reset()
@@ -146,9 +149,11 @@ def test_substitutes_are_cached_and_a_damaged_file_is_made_again(streamed_target
     assert any("3 substitute layers made" in line for line in lines)
     files = sorted((tmp_path / "substitutes").rglob("*.safetensors"))
     assert len(files) == 3
+    made_error = float(lines[0].split("mean relative weight error ")[1].rstrip(")"))
     lines.clear()
     first = load_self_draft(target, settings, lines.append)
-    assert lines == []                           # read back, not made
+    assert lines == []                           # read back, not made, with the error each file records
+    assert first.growth_temperature == growth_temperature(made_error)
     files[0].write_bytes(b"not a safetensors file")
     again = load_self_draft(target, settings, lines.append)
     assert any("1 substitute layers made" in line for line in lines)
@@ -182,17 +187,19 @@ def test_growth_stops_where_a_round_cannot_earn_its_cost():
     assert grow(0.0) > grow(0.5) >= 1
 
 
-def test_simulated_passes_equal_live_self_speculation(streamed_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("temperature", [None, 0.1])
+def test_simulated_passes_equal_live_self_speculation(streamed_target, temperature, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
     target, settings = streamed_target
     draft = load_self_draft(target, settings)
     decoder = Decoder(target.model, set(), DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64,
-                                                         max_depth=64),
+                                                         max_depth=64, greedy_growth_temperature=temperature),
                       SelfSpeculator(draft, 64, priced=False), FixedBudget(8))
     for prompt in PROMPTS:
         decoder.reset()
         live = decoder.generate(prompt, SamplingConfig())
-        simulated = simulate_self(draft, target.model, prompt, live.token_ids, 8, 24, max_depth=64)
+        simulated = simulate_self(draft, target.model, prompt, live.token_ids, 8, 24, max_depth=64,
+                                  greedy_growth_temperature=temperature)
         assert simulated == live.stats.num_target_passes - 1          # the prefill pass emits the first token
 
 
@@ -266,3 +273,28 @@ def test_the_plan_counts_the_self_drafts_tree_rows_in_the_kv_cache(streamed_targ
                                                         max_pass_tokens=64), speculator, FixedBudget(8))
     [kv] = [item for item in target.plan.items if item.component.startswith("KV cache")]
     assert "self-draft tree" in kv.component and kv.num_bytes == decoder.cache.num_bytes
+
+
+def test_growth_temperature_follows_the_substitutes_error_and_the_request():
+    assert [growth_temperature(e) for e in (0.0, 0.019, 0.139, 0.2, 0.322, None)] == [0.1, 0.1, 0.5, 1.0, 1.0, 1.0]
+    config = DecodeConfig(greedy_growth_temperature=0.1)
+    assert config.growth(64, 100).temperature == 0.1
+    assert config.growth(64, 100, SamplingConfig(temperature=0.7)).temperature == 0.7     # the target's own
+    assert DecodeConfig().growth(64, 100).temperature == 1.0
+    with pytest.raises(ValueError, match="growth temperature must be > 0"):
+        GrowthConfig(8, temperature=0.0)
+
+
+def test_a_low_growth_temperature_grows_deeper_trees():
+    """The same draft scores, sharpened: the argmax chain outranks the siblings and the tree deepens."""
+    vocab = 50
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    logits[7] += 2.0
+    depths = {}
+    for temperature in (1.0, 0.1):
+        growth = Growth(0, torch.log_softmax(logits / temperature, -1), GrowthConfig(64, 8, 8, 40, temperature=temperature),
+                        torch.arange(vocab))
+        while (chosen := growth.next_round(10_000)).numel():
+            growth.expanded(chosen, torch.log_softmax(logits / temperature, -1).expand(chosen.numel(), -1), 0)
+        depths[temperature] = int(growth.result()[0].depths.max())
+    assert depths[0.1] > 2 * depths[1.0]
