@@ -55,6 +55,7 @@ class TreeSimulationConfig:
     draft_bits: int = 4                       # a self-draft's substitutes
     resident_layers: int = 3                  # a self-draft's layers kept as they are (the rest substituted)
     cpu_kernel: str = DEFAULT_CPU_KERNEL       # a GGUF target's products (packed: the int4 kernel)
+    growth_temperature: float | None = None   # a self-draft's trees (None: self_draft.growth_temperature's pick)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 2 or not self.budgets or min(self.budgets) < 1:
@@ -63,6 +64,9 @@ class TreeSimulationConfig:
         if self.resident_layers < 0:
             raise ValueError(f"--resident-layers must be >= 0, got {self.resident_layers}")
         SubstituteConfig(self.draft_bits)
+        if self.growth_temperature is not None and (not self.growth_temperature > 0 or not self.is_self):
+            raise ValueError(f"--growth-temperature takes a positive number, with --draft self; got "
+                             f"{self.growth_temperature}")
 
     @property
     def is_self(self) -> bool:
@@ -146,6 +150,7 @@ def _drafting(config: TreeSimulationConfig, target, on_status):
     if config.is_self:
         layers = list(range(min(config.resident_layers, target.config.num_layers), target.config.num_layers))
         draft = load_self_draft(target, SubstituteConfig(config.draft_bits), on_status, layers=layers)
+        draft.growth_temperature = config.growth_temperature or draft.growth_temperature
         return draft, lambda p, a, budget: simulate_self(draft, target.model, p, a, budget, config.max_new_tokens,
                                                          SELF_DRAFT_MAX_DEPTH, draft.growth_temperature)
     draft = load_any_draft(config.draft or str(default_draft_for(config.target)), target, LoadOptions(device="cpu"))

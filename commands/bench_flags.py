@@ -149,6 +149,9 @@ def tree_simulation_flags(simulation) -> None:
                             help="--draft self: bits per substitute weight (default: 4)")
     simulation.add_argument("--resident-layers", type=int, default=3,
                             help="--draft self: layers kept as they are, the rest substituted (default: 3)")
+    simulation.add_argument("--growth-temperature", type=float, default=None,
+                            help="--draft self: the temperature its trees grow at for the greedy target (default: "
+                                 "by the substitutes' weight error)")
     add_cpu_kernel(simulation)
 
 

@@ -36,6 +36,8 @@ def test_a_name_outside_the_table_is_one_error_line(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["startup", "--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["tree-simulation", "--budgets", "4,x"], "--budgets takes comma-separated integers"),
+    (["tree-simulation", "--growth-temperature", "0.5"], "--growth-temperature takes a positive number, with --draft self"),
+    (["tree-simulation", "--draft", "self", "--growth-temperature", "0"], "--growth-temperature takes a positive"),
     (["stream", "--tokens", "0"], "--tokens takes positive integers"),
     (["quant", "--natural-weights", "--target", "x"], "give it or --target, not both"),
 ])
