@@ -118,9 +118,10 @@ def load_self_draft(target: LoadedModel, settings: SubstituteConfig, on_status=N
 def growth_temperature(weight_error: float | None) -> float:
     """The temperature a self-draft's trees grow at for a greedy target (GrowthConfig.temperature), by its
     substitutes' mean relative weight error. Measured on the default model (`python cli.py bench tree-simulation
-    --draft self`, 4 prompts, 128-token answers, tokens per pass at budget 64): 4-bit substitutes of its Q4_1 grid
-    (error 0.000) 8.2 / 14.6 / 23.1 / 35.7 at temperatures 1 / 0.5 / 0.25 / 0.1; 3-bit (error 0.139) 6.1 / 7.0 /
-    5.7 / 4.5. A draft that is nearly the target follows its argmax chain; a rougher one needs its siblings."""
+    --draft self --draft-bits B --growth-temperature T --max-new-tokens 128 --limit 2 --budgets 64`, tokens per
+    pass, bench/results/growth_temperature_sweep.json): 4-bit substitutes of its Q4_1 grid (error 0.000) 7.89 /
+    14.38 / 24.45 / 34.93 at temperatures 1 / 0.5 / 0.25 / 0.1; 3-bit (error 0.139) 5.49 / 6.04 / 5.20 at 1 / 0.5 /
+    0.25. A draft that is nearly the target follows its argmax chain; a rougher one needs its siblings."""
     if weight_error is None or weight_error >= 0.2:
         return 1.0
     return 0.1 if weight_error < 0.02 else 0.5
