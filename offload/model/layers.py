@@ -72,8 +72,11 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
     if exact and fast_chunks:   # long prompt chunks (row_split.py) attend in h's dtype, 2.6x faster
         blocks = cache.blocks() if hasattr(cache, "blocks") else [(0, num_new, 0, keys.shape[2])]
         calls = _carve(calls, [(*block, h.dtype) for block in blocks if block[:2] in fast_chunks])
-    out = torch.cat([_attend(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1], mask[..., q0:q1, k0:k1], gqa,
-                             dtype) for q0, q1, k0, k1, dtype in calls], dim=2)   # [B, H, N, D]
+    if len(calls) == 1:         # one attention over every key under the mask (no slices, no concatenation)
+        out = _attend(q, keys, values, mask, gqa, calls[0][4])                     # [B, H, N, D]
+    else:
+        out = torch.cat([_attend(q[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1], mask[..., q0:q1, k0:k1],
+                                 gqa, dtype) for q0, q1, k0, k1, dtype in calls], dim=2)   # [B, H, N, D]
     if exact:
         out = out.to(h.dtype)
     return linear(out.transpose(1, 2).reshape(batch, num_new, -1), w["o"])
