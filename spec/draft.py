@@ -121,10 +121,11 @@ def _derived_from(target: str) -> str | None:
 class Draft:
     """What tree growth needs of a draft: log-probabilities over its K output rows and each row's target id."""
 
-    def __init__(self, loaded: LoadedModel, target_vocab_size: int, is_self: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, target_vocab_size: int, is_self: bool = False,
+                 growth_temperature: float = 1.0) -> None:
         self.loaded, self.model = loaded, loaded.model
         self.is_self = is_self          # the target with substitute layers (spec/self_draft.py): shares its cache
-        self.growth_temperature = 1.0   # its trees' scores for a greedy target (GrowthConfig.temperature)
+        self.growth_temperature = growth_temperature   # its trees' scores for a greedy target (GrowthConfig)
         self.is_trimmed = isinstance(loaded.model, DraftDecoderModel)
         if self.is_trimmed:
             self.vocab_map = loaded.model.vocab_map                                  # [K]

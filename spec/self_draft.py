@@ -110,9 +110,7 @@ def load_self_draft(target: LoadedModel, settings: SubstituteConfig, on_status=N
     draft_model.cache_dtype = model.cache_dtype
     loaded = LoadedModel(target.path, target.config, target.tokenizer, draft_model, layers, target.plan,
                          target.stop_ids)
-    draft = Draft(loaded, target.config.vocab_size, is_self=True)
-    draft.growth_temperature = growth_temperature(cache.mean_error)
-    return draft
+    return Draft(loaded, target.config.vocab_size, is_self=True, growth_temperature=growth_temperature(cache.mean_error))
 
 
 def growth_temperature(weight_error: float | None) -> float:
@@ -169,16 +167,15 @@ class SubstituteCache:
 
     def _read(self, index: int) -> tuple[dict[str, LowBitMatrix] | None, dict[str, Tensor], float | None]:
         from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load_file
         path = self._path(index)
         if not path.is_file():
             return None, {}, None
         try:
-            tensors = load_file(path)
+            with safe_open(path, "pt") as opened:          # one open: the tensors and the recorded error
+                tensors = {name: opened.get_tensor(name) for name in opened.keys()}
+                error = (opened.metadata() or {}).get("relative_error")
             matrices = {name: from_tensors(tensors, name, shape, self.settings.bits, self.settings.group)
                         for name, shape in self.shapes.items()}
-            with safe_open(path, "pt") as opened:
-                error = (opened.metadata() or {}).get("relative_error")
             error = float(error) if error is not None else None
         except (OSError, ValueError, KeyError, SafetensorError, CorruptCheckpointError):
             return None, {}, None     # unreadable or stale: made again

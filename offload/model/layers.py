@@ -85,10 +85,10 @@ def _attention(h: Tensor, w: dict[str, Tensor], config: ModelConfig, layer_index
 def _carve(calls: list[tuple], own: list[tuple]) -> list[tuple]:
     """Attention calls (first query, end query, first key, end key, dtype), each query row in one: the `own`
     calls' query rows taken out of `calls`, which keep the rest of theirs."""
-    out = list(own)
+    out, own_rows = list(own), sorted(call[:2] for call in own)
     for q0, q1, k0, k1, dtype in calls:
         row = q0
-        for first, end, *_ in sorted(own):
+        for first, end in own_rows:
             if first < q1 and end > row:
                 if first > row:
                     out.append((row, first, k0, k1, dtype))
