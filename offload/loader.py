@@ -14,6 +14,7 @@ from offload.devices import check_names, choose_device, choose_dtype
 from offload.allocator import keep_freed_host_memory
 from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
+from offload.weights.packed_linear import dense_q8_bytes
 from offload.planner import Plan, PlanRequest, largest_batch, make_plan, streaming_budget
 from offload.resident import to_device
 from offload.weights.resolve import is_default_model, resolve_model
@@ -207,12 +208,23 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         decode_workspace_bytes=0 if ahead else dense_bytes,
         device_budget=options.gpu_mem or default_device_memory(device),
         host_budget=options.ram or default_host_memory(),
-        draft_bytes=options.draft_bytes, draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
+        draft_bytes=options.draft_bytes + _self_draft_head_bytes(options, source, device),
+        draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
         dtype_bytes=dtype.itemsize, kv_dtype_bytes=8 if on_packed_kernel(source, options, device) else 0,   # float64
         ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",
         num_sequences=options.num_sequences, substitute_layer_bytes=options.substitute_layer_bytes,
         prompt_dense_bytes=_prompt_dense_bytes(options, source, device, dtype))
+
+
+def _self_draft_head_bytes(options: LoadOptions, source: WeightSource, device: torch.device) -> int:
+    """A self-draft's 8-bit copy of the output matrix (spec/self_draft.draft_head): on a CPU where the target's head
+    stays a dense float matrix."""
+    if not options.substitute_layer_bytes or device.type != "cpu":
+        return 0
+    if on_packed_kernel(source, options, device) and source.kernel_head_bytes(torch.float32):
+        return 0                  # the target's packed head, shared
+    return dense_q8_bytes((source.config.vocab_size, source.config.hidden_size))
 
 
 def _prompt_dense_bytes(options: LoadOptions, source: WeightSource, device: torch.device, dtype: torch.dtype) -> int:

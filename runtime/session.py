@@ -235,6 +235,8 @@ class Session:
             return FixedBudget(1)
         if self.config.budget is not None:
             return FixedBudget(self.config.budget)
+        if self.draft.is_self:            # its trees price their own growth (spec/step_clock.py): the budget caps them
+            return FixedBudget(max_budget)
         return auto_budget(self.target, max_budget, on_status)
 
     def encode(self, messages: list[dict[str, str]] | None = None, raw: str | None = None) -> list[int]:

@@ -13,6 +13,7 @@ sends the chosen nodes' tokens, positions and mask down.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,13 @@ class GrowthConfig:
     max_width: int | None = None     # nodes expanded per draft forward (None: by budget)
     max_children: int = MAX_CHILDREN # children each expanded node proposes
     max_depth: int = MAX_DEPTH
-    # Expected tokens a round must be able to add to be worth its draft forward (0: grow to the budget). A
-    # round expands nodes whose children hold at most the nodes' own path probability, so their sum bounds it.
+    # Expected tokens a round must be able to add to be worth its draft forward's fixed cost, and a node to be worth
+    # its row in it (0: grow to the budget). An expanded node's children hold at most the node's own path
+    # probability, so it bounds what the node adds: a round expands the nodes whose probability pays for their
+    # rows, if their sum pays for the round's fixed cost and those rows together.
     min_gain: float = 0.0
+    min_node_gain: float = 0.0
+    min_child_gain: float = 0.0      # a node's path probability must pay for its own row in the target's pass
     # The draft's log-probabilities score nodes at this temperature (verification never reads them, so any value
     # stays exact): below 1 for a draft that is the target's own layers and a greedy target, whose argmax chain it
     # follows far more often than its temperature-1 probabilities say (spec/self_speculator.py).
@@ -46,8 +51,9 @@ class GrowthConfig:
             raise ValueError(f"tree budget must be >= 1, got {self.budget}")
         if (self.max_width is not None and self.max_width < 1) or self.max_children < 1 or self.max_depth < 0:
             raise ValueError("tree width and children must be >= 1, depth >= 0")
-        if not self.min_gain >= 0:
-            raise ValueError(f"a round's minimum gain must be >= 0, got {self.min_gain}")
+        if not min(self.min_gain, self.min_node_gain, self.min_child_gain) >= 0:
+            raise ValueError(f"minimum gains must be >= 0, got {self.min_gain}, {self.min_node_gain}, "
+                             f"{self.min_child_gain}")
         if not self.temperature > 0:
             raise ValueError(f"a growth temperature must be > 0, got {self.temperature}")
 
@@ -103,14 +109,17 @@ class _Pool:
         self.logprobs = torch.cat((self.logprobs, self.logprobs[index] + logprob))
         self.slots = torch.cat((self.slots, self.slots.new_full((len(parents),), NOT_EXPANDED)))
 
-    def prune(self, budget: int) -> None:
-        """Keeps the `budget` best nodes (the root is always best: log-probability 0), minus any whose
-        parent lost a tie at the threshold."""
-        if self.size <= budget:
+    def prune(self, budget: int, min_gain: float = 0.0) -> None:
+        """Keeps the `budget` best nodes (the root is always best: log-probability 0) of path probability at least
+        `min_gain`, minus any whose parent lost a tie at the threshold."""
+        enough = self.logprobs >= math.log(min_gain) if min_gain > 0 else None
+        if self.size <= budget and (enough is None or bool(enough[1:].all())):
             return
         best = torch.zeros(self.size, dtype=torch.bool)
+        best[1 + self.logprobs[1:].topk(min(budget, self.size) - 1).indices] = True
+        if enough is not None:
+            best &= enough
         best[0] = True
-        best[1 + self.logprobs[1:].topk(budget - 1).indices] = True
         is_root, parents, keep = self.parents < 0, self.parents.clamp(min=0), best
         for _ in range(int(self.depths.max())):     # after k rounds, nodes at depth <= k are final
             keep = best & (keep[parents] | is_root)
@@ -162,10 +171,12 @@ class Growth:
         pool, config = self.pool, self.config
         pool.add_children(self._chosen, self._logq, self.vocab_map, min(config.max_children, config.budget - 1))
         self._add_lookups()
-        pool.prune(config.budget)
+        pool.prune(config.budget, config.min_child_gain)
         chosen = pool.open_nodes(config.budget, config.width, config.max_depth)
-        if chosen.numel() == 0 or chosen.numel() > room or \
-                (config.min_gain and float(pool.logprobs[chosen].exp().sum()) < config.min_gain):
+        if config.min_node_gain:
+            chosen = chosen[pool.logprobs[chosen] >= math.log(config.min_node_gain)]
+        if chosen.numel() == 0 or chosen.numel() > room or (config.min_gain or config.min_node_gain) and \
+                float(pool.logprobs[chosen].exp().sum()) < config.min_gain + config.min_node_gain * chosen.numel():
             self.is_done = True
             return chosen.new_empty(0)
         return chosen

@@ -87,7 +87,10 @@ class PassBuilder:
         verified = time.perf_counter()
         logits, hidden = self._forward(parts)
         target_seconds = time.perf_counter() - verified
-        self.decoder.budget.observe_pass(sum(part.tokens.numel() for part in parts), target_seconds)
+        num_tokens = sum(part.tokens.numel() for part in parts)
+        self.decoder.budget.observe_pass(num_tokens, target_seconds)
+        if self.decoder.speculator:
+            self.decoder.speculator.observe_pass(num_tokens, target_seconds)
         offset, num_trees = 0, max(len(decoding), 1)
         for part in parts:
             count = part.tokens.numel() if part.tree is not None else 1

@@ -1,7 +1,7 @@
 """The target drafts for itself (SubSpec, arXiv 2509.18344): every layer the plan keeps on the device is used as it
 is (one copy), every streamed layer is replaced by a low-bit substitute kept on the device (quant/lowbit.py: made
 from the layer's own weights at the first start, cached in the model cache), and the embeddings, final norm and LM
-head are the target's. The draft attends to the target's own KV cache (spec/speculator.SelfSpeculator), so it has
+head are the target's (on a CPU the head multiplies packed: draft_head). The draft attends to the target's own KV cache (spec/speculator.SelfSpeculator), so it has
 no cache and no prefill of its own: a draft step is one forward of the whole model that streams nothing.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from offload import DecoderModel, LoadedModel
 from offload.model.config import ModelConfig
 from offload.weights.gguf_import import cache_root
 from offload.weights.safetensors_io import CorruptCheckpointError
-from quant.lowbit import REFINE_ROUNDS, LowBitMatrix, from_tensors, quantize_matrix, relative_error, \
+from offload.weights.packed_linear import Int4Head, takes_dense
+from quant.lowbit import REFINE_ROUNDS, LowBitMatrix, from_tensors, int8_head, quantize_matrix, relative_error, \
     substitute_bytes, substitute_weight, to_tensors
 from .draft import Draft
 
@@ -105,12 +106,27 @@ def load_self_draft(target: LoadedModel, settings: SubstituteConfig, on_status=N
     cache = SubstituteCache(target, settings)
     substitutes = cache.load(streamed, on_status)
     layers = SubstituteLayers(target, substitutes)
-    draft_model = DecoderModel(target.config, {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head},
+    head = draft_head(model.lm_head, model.device)
+    draft_model = DecoderModel(target.config, {"embed": model.embed, "norm": model.norm, "lm_head": head},
                                layers, model.device, model.dtype)
     draft_model.cache_dtype = model.cache_dtype
+    own_head = 0 if head is model.lm_head or isinstance(model.lm_head, Int4Head) else head.nbytes   # a copy's bytes
     loaded = LoadedModel(target.path, target.config, target.tokenizer, draft_model, layers, target.plan,
-                         target.stop_ids)
+                         target.stop_ids, global_bytes=own_head)
     return Draft(loaded, target.config.vocab_size, is_self=True, growth_temperature=growth_temperature(cache.mean_error))
+
+
+def draft_head(head, device: torch.device):
+    """The output matrix the self-draft scores with: on a CPU the int4 kernel's product (the target's own packed
+    head without its exact recomputation of the top logits, or an 8-bit copy of a dense float head: the largest
+    single product of a small model's step, 9.7 of a 26 ms draft round of the default model in fp32); elsewhere the
+    target's. The draft's logits only order the tree; verification reads the target's."""
+    if isinstance(head, Int4Head):
+        return head.weight
+    if device.type == "cpu" and isinstance(head, Tensor) and head.is_floating_point() \
+            and takes_dense(tuple(head.shape)):
+        return int8_head(head)
+    return head
 
 
 def growth_temperature(weight_error: float | None) -> float:

@@ -16,40 +16,8 @@ from offload.planner import draft_slot_tokens
 from .draft import Draft
 from .grow import HOST, GrowthConfig
 from .speculator import Proposal, Speculator
+from .step_clock import StepClock
 from .tree import Tree
-
-
-class StepClock:
-    """What a draft round costs against what a token is worth, from recent steps (exponential means): seconds per
-    draft forward, and seconds per emitted token of a whole step (draft, target pass and the rest)."""
-    SMOOTHING = 0.2
-
-    def __init__(self) -> None:
-        self.round_seconds: float | None = None
-        self.token_seconds: float | None = None
-        self._step_started: float | None = None
-        self._tokens = 0
-
-    def step_started(self, now: float) -> None:
-        if self._step_started is not None and self._tokens:
-            self.token_seconds = self._mean(self.token_seconds, (now - self._step_started) / self._tokens)
-        self._step_started, self._tokens = now, 0
-
-    def drafted(self, seconds: float, num_forwards: int) -> None:
-        if num_forwards:
-            self.round_seconds = self._mean(self.round_seconds, seconds / num_forwards)
-
-    def emitted(self, num_tokens: int) -> None:
-        self._tokens += num_tokens
-
-    def min_gain(self) -> float:
-        """Expected tokens a round must add to pay for itself (0 until both costs are measured)."""
-        if self.round_seconds is None or not self.token_seconds:
-            return 0.0
-        return self.round_seconds / self.token_seconds
-
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTHING * (new - old)
 
 
 class SelfSpeculator(Speculator):
@@ -70,14 +38,25 @@ class SelfSpeculator(Speculator):
     def propose(self, proposals: list[Proposal]) -> list[tuple[Tree, Tensor]]:
         if self.clock:
             self.clock.step_started(time.perf_counter())
-        forwards = self.num_draft_forwards
-        trees = super().propose(proposals)
-        if self.clock:
-            self.clock.drafted(self.forward_seconds, self.num_draft_forwards - forwards)
-        return trees
+        return super().propose(proposals)
+
+    def _expand(self, rounds) -> None:
+        if self.clock is None:
+            return super()._expand(rounds)
+        started = time.perf_counter()
+        super()._expand(rounds)
+        self.draft.model.synchronize()      # free: the next round reads these logits back at once
+        self.clock.drafted(sum(chosen.numel() for _, _, chosen in rounds), time.perf_counter() - started)
 
     def _growth(self, growth: GrowthConfig) -> GrowthConfig:
-        return replace(growth, min_gain=self.clock.min_gain()) if self.clock else growth
+        if self.clock is None:
+            return growth
+        return replace(growth, min_gain=self.clock.min_gain(), min_node_gain=self.clock.min_node_gain(),
+                       min_child_gain=self.clock.min_child_gain())
+
+    def observe_pass(self, num_tokens: int, seconds: float) -> None:
+        if self.clock:
+            self.clock.passed(num_tokens, seconds, time.perf_counter())
 
     def bind(self, target_cache: SlotCache) -> None:
         self.cache = target_cache
@@ -107,9 +86,13 @@ class SelfSpeculator(Speculator):
                                    f"its sequence {len(proposal.committed_ids)}")
         lengths = [self.cache.lengths[p.slot] for p in proposals]
         self.cache.begin([(p.slot, 1) for p in proposals])
+        started = time.perf_counter()
         logits = self.draft.logits(torch.tensor([[p.root for p in proposals]]), self.cache,
                                    torch.tensor([lengths]), block_mask([causal_mask(n, 1, HOST) for n in lengths]),
                                    keep_pending=False)                                       # [R, K]
         self.num_draft_forwards += 1
+        if self.clock:
+            self.draft.model.synchronize()
+            self.clock.drafted(len(proposals), time.perf_counter() - started)
         return [self.draft.to_log_probs(logits[i:i + 1], p.penalties, torch.tensor([[p.root]]), p.growth.temperature)[-1]
                 for i, p in enumerate(proposals)]

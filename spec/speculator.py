@@ -55,6 +55,9 @@ class Speculator:
         """How this step's trees grow (a speculator that prices its rounds sets their minimum gain)."""
         return growth
 
+    def observe_pass(self, num_tokens: int, seconds: float) -> None:
+        """A target pass over `num_tokens` took `seconds` (a speculator that prices its trees learns from it)."""
+
     def bind(self, target_cache: SlotCache) -> None:
         """The decoder's cache (a draft with a cache of its own ignores it)."""
 
@@ -97,6 +100,7 @@ class Speculator:
         while True:
             rounds = []
             for proposal, growth in zip(proposals, growths):
+                growth.config = self._growth(proposal.growth)      # priced as measured so far
                 room = self.cache.max_length - self.cache.num_filled(proposal.slot)
                 chosen = growth.next_round(room)
                 if chosen.numel():

@@ -157,3 +157,22 @@ def test_types_and_shapes_the_kernel_cannot_take_are_refused(qtype, shape):
     with pytest.raises(ValueError, match="cannot multiply packed"):
         packed_linear.from_gguf(torch.zeros(gguf_blocks.packed_nbytes(qtype, shape), dtype=torch.uint8), qtype,
                                 shape)
+
+
+def test_a_dense_matrix_is_held_as_q8_0_and_a_decoded_q8_0_comes_back_to_its_blocks():
+    from quant.lowbit import int8_head
+    shape = (128, 256)
+    weights = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    raw = torch.from_numpy(gguf_blocks.quantize_reference(T.Q8_0, weights))          # what a GGUF writer stores
+    decoded = gguf_blocks.dequantize(raw, T.Q8_0, shape)                             # [N, K] fp32
+    again, blocks = int8_head(decoded), packed_linear.from_gguf(raw, T.Q8_0, shape)
+    assert torch.equal(again.codes, blocks.codes) and torch.equal(again.scale_zeros, blocks.scale_zeros)
+    dense = torch.randn(*shape, generator=torch.Generator().manual_seed(2))          # not on a Q8_0 grid
+    x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(3))
+    expected, actual = x @ dense.T, int8_head(dense).matmul(x)
+    # 8 bits a weight (scale: max |w| / 127 per 32) and bf16 activations: a percent of the product's magnitude
+    assert ((actual - expected).abs() <= 0.02 * (x.abs() @ dense.abs().T)).all()
+    assert packed_linear.dense_q8_bytes(shape) == packed_linear.kernel_bytes(T.Q8_0, shape) == again.nbytes
+    assert packed_linear.dense_q8_bytes((100, 256)) == 0                             # rows the kernel cannot take
+    with pytest.raises(ValueError, match="int8 head"):
+        int8_head(torch.zeros(100, 256))

@@ -14,9 +14,13 @@ from offload.planner import GIB, PlanError, make_plan, request_from_config
 from quant.baselines import round_to_nearest
 from quant.lowbit import LowBitWeight, from_tensors, quantize_matrix, relative_error, substitute_weight, to_tensors
 from spec import DecodeConfig, DecodeRequest, Decoder, FixedBudget, SamplingConfig
-from spec.self_draft import SubstituteConfig, growth_temperature, load_self_draft, substitute_layer_bytes
+from offload.weights.packed_linear import dense_q8_bytes
+from quant.lowbit import DraftInt4Weight
+from spec.self_draft import SubstituteConfig, draft_head, growth_temperature, load_self_draft, \
+    substitute_layer_bytes
 from spec.grow import Growth, GrowthConfig
-from spec.self_speculator import SelfSpeculator, StepClock
+from spec.self_speculator import SelfSpeculator
+from spec.step_clock import CostLine, StepClock
 from spec.simulation import simulate_self
 
 CPU = torch.device("cpu")
@@ -92,6 +96,20 @@ def streamed_target(tmp_path_factory):
     target.close()                      # its ring's loader thread: later tests count the threads left running
 
 
+def test_the_self_draft_scores_with_a_packed_head_the_plan_counts(streamed_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path))
+    target, settings = streamed_target
+    draft = load_self_draft(target, settings)
+    head, dense = draft.model.lm_head, target.model.lm_head                 # the target keeps its dense head
+    assert isinstance(head, DraftInt4Weight) and isinstance(dense, torch.Tensor)
+    shape = tuple(dense.shape)
+    assert target.plan.request.draft_bytes == dense_q8_bytes(shape) == head.nbytes > 0
+    assert draft.device_bytes == draft.model.layers.device_bytes + head.nbytes          # what peak_device_bytes adds
+    hidden = torch.randn(4, shape[1])
+    assert torch.allclose(head.matmul(hidden), hidden @ dense.T, atol=0.05 * float((hidden.abs() @ dense.abs().T).max()))
+    assert draft_head(dense, torch.device("meta")) is dense                 # elsewhere the head is shared
+
+
 def _self_decoder(target, draft, budget: int, slots: int = 1, temperature: float | None = None) -> Decoder:
     config = DecodeConfig(max_new_tokens=24, max_context=128, max_pass_tokens=64, max_slots=slots, max_depth=64,
                           greedy_growth_temperature=temperature)
@@ -162,14 +180,44 @@ def test_substitutes_are_cached_and_a_damaged_file_is_made_again(streamed_target
     assert torch.equal(first.model.layers.get(layer)["down"].matmul(x), again.model.layers.get(layer)["down"].matmul(x))
 
 
-def test_the_step_clock_prices_a_round_in_tokens():
+def test_the_step_clock_prices_rounds_and_rows_in_tokens():
     clock = StepClock()
-    assert clock.min_gain() == 0.0                   # nothing measured: grow to the budget
-    clock.step_started(0.0)
-    clock.drafted(0.4, 4)                            # 0.1 s a draft forward
+    assert clock.min_gain() == clock.min_node_gain() == clock.min_child_gain() == 0.0   # nothing measured
+    clock.passed(40, 0.4, now=0.4)                   # a prompt's pass: before any step, a token is worth a pass
+    assert clock.token_seconds == pytest.approx(0.4)
+    assert clock.passes.per_row == pytest.approx(0.01)   # pessimistic until pass sizes spread: all of it per row
+    for width, seconds in [(1, 0.012), (9, 0.028), (5, 0.020), (1, 0.012), (9, 0.028)]:
+        clock.drafted(width, seconds)                # rounds: 10 ms fixed + 2 ms a row
+    assert clock.rounds.fixed == pytest.approx(0.010) and clock.rounds.per_row == pytest.approx(0.002)
+    clock.step_started(1.0)
+    clock.passed(11, 0.11, now=1.5)                  # the step ends with its target pass
     clock.emitted(5)
-    clock.step_started(2.0)                          # a step of 2 s emitted 5 tokens: 0.4 s a token
-    assert clock.min_gain() == pytest.approx(0.25)
+    clock.step_started(9.0)                          # the time after the pass (a new prompt, say) is no step's
+    assert clock.token_seconds == pytest.approx(0.1)
+    assert clock.min_gain() == pytest.approx(0.1)
+    assert clock.min_child_gain() == pytest.approx(clock.passes.per_row / 0.1)
+    assert clock.min_node_gain() == pytest.approx((0.002 + clock.passes.per_row) / 0.1)
+
+
+def test_a_cost_line_fits_rising_rows_and_ignores_a_falling_one():
+    line = CostLine(pessimistic=True)
+    line.add(37, 0.30)                               # a cold first pass ...
+    line.add(101, 0.27)                              # ... then a larger, warm one: no row is free
+    mean_rows, mean_seconds = 37 + 0.05 * (101 - 37), 0.30 + 0.05 * (0.27 - 0.30)    # exponential means
+    assert line.per_row == pytest.approx(mean_seconds / mean_rows) and line.pessimistic
+    for rows, seconds in [(10, 0.12), (100, 0.30), (50, 0.20)] * 40:
+        line.add(rows, seconds)
+    assert line.per_row == pytest.approx(0.002, rel=0.05) and line.fixed == pytest.approx(0.10, rel=0.1)
+
+
+def test_pruning_drops_nodes_too_unlikely_to_pay_for_their_target_row():
+    vocab = torch.arange(6)
+    root = torch.log_softmax(torch.tensor([4.0, 1.5, 1.0, 0.5, 0.0, -0.5]), -1)
+    growth = Growth(0, root, GrowthConfig(32, max_children=6, max_depth=1, min_child_gain=0.05), vocab)
+    assert growth.next_round(1000).numel() == 0                 # depth 1: children added, none expanded
+    tree, _ = growth.result()
+    kept = torch.log_softmax(torch.tensor([4.0, 1.5, 1.0, 0.5, 0.0, -0.5]), -1).exp() >= 0.05
+    assert tree.num_nodes == 1 + int(kept.sum()) < 7 and tree.parents[0] == -1
 
 
 def test_growth_stops_where_a_round_cannot_earn_its_cost():
@@ -248,11 +296,14 @@ def test_a_resident_target_has_no_self_draft_and_bits_need_it(tiny_folder, tmp_p
 
 def test_auto_choice_reads_the_measured_rates_of_the_default_pair():
     import json
+    import re
+    from importlib import resources
     from runtime.self_drafting import measured_draft_rates
     rates = measured_draft_rates()
+    sources = json.loads(resources.files("perf").joinpath("data").joinpath("draft_choice.json").read_text())["source"]
     for tier in ("disk", "ram"):
-        rows = json.loads((Path(__file__).parents[1] / "bench" / "results" / f"self_draft_{tier}_auto.json")
-                          .read_text())["rows"]
+        name = re.search(r"bench/results/(\S+\.json)", sources[tier]).group(1)       # the run the rates came from
+        rows = json.loads((Path(__file__).parents[1] / "bench" / "results" / name).read_text())["rows"]
         assert rates[tier] == {"shipped": rows["shipped"]["speedup_vs_autoregressive"],
                                "self": rows["self"]["speedup_vs_autoregressive"]}
 

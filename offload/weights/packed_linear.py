@@ -44,6 +44,16 @@ def takes(qtype: int, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and int(qtype) in [int(t) for t in KERNEL_TYPES] and shape[0] % ROW_MULTIPLE == 0
 
 
+def takes_dense(shape: tuple[int, ...]) -> bool:
+    """Whether a dense float [N, K] matrix can be quantized to Q8_0 for the kernel (quant/lowbit.int8_head)."""
+    return len(shape) == 2 and shape[0] % ROW_MULTIPLE == 0 and shape[1] % GROUP == 0
+
+
+def dense_q8_bytes(shape: tuple[int, int]) -> int:
+    """Bytes of a dense matrix held as Q8_0 by the kernel (0: its shape does not suit the kernel)."""
+    return kernel_bytes(T.Q8_0, shape) if takes_dense(shape) else 0
+
+
 @dataclass(slots=True)
 class Int4Weight:
     """A [N, K] weight in torch's CPU int4 layout; `linear` (offload/model/layers.py) calls its matmul."""
