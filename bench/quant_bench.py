@@ -28,7 +28,6 @@ from quant.baselines import (NF4_BITS, InMemorySource, gptq_layers, nf4, round_t
                         transformed_layers)
 from quant.bits import bits_per_param
 from quant.calibration_data import EVALUATION_MODULES, calibration_windows, documentation_prose, stdlib_code
-from quant.checkpoint import MATRICES
 from quant.perplexity import PerplexityConfig, perplexity
 from quant.quantize import QuantizeConfig, quantize
 from quant.spqr import ALGORITHM
@@ -144,17 +143,18 @@ def _spqr_row(config: QuantBenchConfig, row: SpqrRow, evaluate, on_status) -> di
     return evaluate(name, model, bits_per_param(model), extra)
 
 
-def dequantize_seconds(model: LoadedModel, repeats: int = 5) -> float:
+def dequantize_seconds(model: LoadedModel, repeats: int = 5, kernel: bool = False) -> float:
     """Median time to decode one packed layer into dense matrices on the compute device, as a pass pays it:
     the layer's statistics, then each matrix in turn, released before the next (a decoder thread, which
-    holds a layer's matrices until its compute, pays more on a CPU: the buffers leave the cache)."""
+    holds a layer's matrices until its compute, pays more on a CPU: the buffers leave the cache). `kernel`: what
+    a streamed layer on the CPU's int4 kernel pays instead (its repack, or nothing from the kernel layer cache)."""
     source, times = model.source, []
     stored = {name: t.to(model.model.device) for name, t in source.layer(0).items()}
+    decode = source.kernel_layer if kernel else source.decode_layer
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        decoded = source.decode_layer(0, stored, model.model.dtype)
-        for name in MATRICES:
-            linear = decoded[name]
+        decoded = decode(0, stored, model.model.dtype)
+        for linear in decoded.values():
             if hasattr(linear, "matrix"):     # SpQR decodes each matrix here; a GGUF layer is dense already
                 linear.matrix.dequantize(linear.dtype, permuted=True, statistics=linear.statistics)
         model.model.synchronize()

@@ -67,7 +67,8 @@ def run_disk_bench(config: DiskBenchConfig, on_status: Callable[[str], None] = l
     if config.gguf_in_place:        # the GGUF's blocks decoded at use, and ahead by a decoder thread
         in_place = str(resolve_model(config.target))
         runs += _with_ahead(_Run(in_place, "fp32", "gguf-in-place", "GGUF in place"))
-        # the CLI's CPU default: its matrices multiplied as stored (packed_linear), each streamed layer repacked
+        # the CLI's CPU default: its matrices multiplied as stored (packed_linear), streamed layers read from the
+        # kernel layer cache (offload/weights/kernel_cache.py) where the file's every matrix suits the kernel
         runs.append(_Run(in_place, "fp32", "gguf-in-place-packed", "GGUF in place, packed kernel", cpu_kernel="packed"))
     for folder in config.packed:    # dequantized at use (the default) and ahead by a decoder thread, side by side
         runs += _with_ahead(_Run(str(folder), "fp32", Path(folder).name, checkpoint_label(Path(folder))))
@@ -157,7 +158,7 @@ def _measure(run: _Run, config: DiskBenchConfig, on_status) -> dict:
                   f"{len(loaded.plan.tier_of)} layers from disk (cold)")
         passes = _decode(loaded, config)
         packed = loaded.source.packed_bytes() if hasattr(loaded.source, "packed_bytes") else None
-        dequantize = dequantize_seconds(loaded) if packed is not None else 0.0
+        dequantize = dequantize_seconds(loaded, kernel=run.cpu_kernel == "packed") if packed is not None else 0.0
     finally:
         loaded.layers.close()
     return {"label": run.label, **_row(name, loaded, passes, dequantize)}

@@ -14,8 +14,10 @@ from offload.devices import check_names, choose_device, choose_dtype
 from offload.allocator import keep_freed_host_memory
 from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
+from offload.weights import kernel_cache
+from offload.weights.gguf_import import cache_root
 from offload.weights.packed_linear import dense_q8_bytes
-from offload.planner import Plan, PlanRequest, largest_batch, make_plan, streaming_budget
+from offload.planner import Plan, PlanError, PlanRequest, largest_batch, make_plan, streaming_budget
 from offload.resident import to_device
 from offload.weights.resolve import is_default_model, resolve_model
 from offload.stream import StreamingLayers
@@ -104,11 +106,11 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
     if on_status and hasattr(source, "describe") and not is_default_model(options.model):
         on_status(source.describe())          # a user's file: say how it runs (the embedded model needs no line)
     tokenizer = Tokenizer(path)
-    engine = build_engine(source, options)
+    engine = build_engine(source, options, on_status)
     if on_status and engine.on_kernel and not is_default_model(options.model):
         on_status(source.kernel_summary())
     return LoadedModel(path, config, tokenizer, engine.model, engine.layers, engine.plan,
-                       stop_token_ids(path, config, tokenizer), engine.global_bytes, source)
+                       stop_token_ids(path, config, tokenizer), engine.global_bytes, engine.source)
 
 
 def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> int:
@@ -137,7 +139,19 @@ def _request_for(options: LoadOptions) -> PlanRequest:
     global_bytes = _global_bytes(source, dtype)
     if on_packed_kernel(source, options, device):    # the output matrix packed beside the dense embedding
         global_bytes += source.kernel_head_bytes(dtype)
-    return _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
+    request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
+    if on_packed_kernel(source, options, device) and kernel_cache.serves(source) and _plan_streams(request):
+        # streamed from the kernel layer cache (build_engine): planned in its layout
+        request = _plan_request(options, source, kernel_cache.kernel_layout(source, dtype, cache_root()), global_bytes,
+                                device, dtype)
+    return request
+
+
+def _plan_streams(request: PlanRequest) -> bool:
+    try:
+        return _streams(make_plan(request))
+    except PlanError:
+        return False            # the caller's plan says why
 
 
 def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:
@@ -155,6 +169,7 @@ class Engine:
     plan: Plan
     global_bytes: int
     on_kernel: bool = False         # a GGUF's matrices multiply packed (the CPU's int4 kernel)
+    source: WeightSource | None = None   # where streamed layers are read (a GGUF's kernel layer cache, on the kernel)
 
 
 def on_packed_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
@@ -170,7 +185,7 @@ def on_packed_kernel(source: WeightSource, options: LoadOptions, device: torch.d
 DECODE_VS_TRANSFER: dict[bool, float | None] = {False: None, True: 0.25}
 
 
-def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
+def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> Engine:
     """Device and dtype chosen once here; the planner places the layers; the ring streams them."""
     keep_freed_host_memory()
     config = source.config
@@ -186,11 +201,20 @@ def build_engine(source: WeightSource, options: LoadOptions) -> Engine:
         globals_["lm_head"] = head
     layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
+    if on_kernel and _streams(plan) and kernel_cache.serves(source):
+        cached = kernel_cache.open_kernel_cache(source, dtype, cache_root(), on_status)
+        if cached is not None:   # streamed layers read as the kernel multiplies them: planned in that layout
+            source, layout = cached, cached.layout(dtype)
+            plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
     layers = _build_layers(source, layout, plan, device, dtype, options)
     model = DecoderModel(config, globals_, layers, device, dtype)
     if on_kernel:                # its layers attend in float64: the KV cache holds float64 (layers.py)
         model.cache_dtype = torch.float64
-    return Engine(model, layers, plan, global_bytes, on_kernel)
+    return Engine(model, layers, plan, global_bytes, on_kernel, source)
+
+
+def _streams(plan: Plan) -> bool:
+    return any(tier != "device" for tier in plan.tier_of)
 
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,

@@ -43,7 +43,9 @@ class DiskTier:
 
     def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False, span_align: int = 16) -> None:
         self.source, self.layout, self.span_align = source, layout, span_align
-        self.is_direct = direct and all(DirectReader.supported(path) for path in source.file_paths())
+        # the files the layers are read from (a GGUF's kernel layer cache, not the GGUF)
+        self.paths = getattr(source, "layer_file_paths", source.file_paths)()
+        self.is_direct = direct and all(DirectReader.supported(path) for path in self.paths)
         self.reader = DirectReader() if self.is_direct else BufferedReader()
         self._runs: dict[int, tuple[list[FileRun], dict[str, TensorEntry]]] = {}
         self._cast_staging = np.empty(0, dtype=np.uint8)
@@ -115,7 +117,7 @@ class DiskTier:
 
     def drop_page_cache(self) -> None:
         """Evicts the checkpoint files from the OS page cache, so the next reads hit the disk."""
-        for path in self.source.file_paths():
+        for path in self.paths:
             drop_page_cache(path)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ scales and zeros rounded to bf16 (relative 2^-8 each: bf16 keeps 8 significant b
 to bf16 (relative 2^-8).
 
 The packed code layout is the running CPU's (AVX512 interleaves 64 rows, AVX2 32): it is made here, at load
-for resident layers and per pass for streamed ones, and never stored."""
+for resident layers, and for streamed ones per pass or once into the kernel layer cache, a file keyed by the
+dispatch (offload/weights/kernel_cache.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,0 +1,126 @@
+"""A GGUF's streamed layers on the CPU's int4 kernel read from the kernel layer cache (offload/weights/kernel_cache.py):
+the same bits as resident layers repacked at load, nothing repacked per pass, the file keyed by the CPU's dispatch,
+a damaged file made again, a GGUF whose layers differ in the kernel's layout left to the per-pass repack."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from offload import LoadOptions, load_model
+from offload.loader import plan_for, streaming_device_budget
+from offload.model.config import ModelConfig
+from offload.weights import kernel_cache, packed_linear
+from offload.weights.formats import open_source
+from offload.weights.gguf_names import GGUF_LAYER_NAMES
+from offload.weights.resolve import resolve_model
+from test_gguf_inplace import _layer_shapes, write_tiny_gguf
+
+
+LAYERS = 8     # a 2-slot ring beside 3 layers would hold them all resident
+
+
+def _uniform(path, types_by_layer):
+    """A tiny GGUF whose layer i's matrices are all of types_by_layer[i]."""
+    types = {f"blk.{i}.{GGUF_LAYER_NAMES[name]}": types_by_layer[i]
+             for i in range(LAYERS) for name, shape in _layer_shapes().items() if len(shape) == 2}
+    return write_tiny_gguf(path, types=types, layers=LAYERS)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _options(path, **kwargs) -> LoadOptions:
+    return LoadOptions(str(path), device="cpu", dtype="fp32", max_context=64, max_pass_tokens=16, cpu_kernel="packed",
+                       **kwargs)
+
+
+def _streamed(path, statuses=None, ram: int | None = 1):
+    """Loaded with every layer it can stream streamed, from disk (ram=1) or from RAM (ram=None)."""
+    options = _options(path, ram=ram)
+    options = replace(options, gpu_mem=streaming_device_budget(options))
+    return load_model(options, statuses.append if statuses is not None else None), options
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_streamed_layers_read_the_cache_with_the_bits_of_resident_ones(tmp_path, cache, monkeypatch, tier):
+    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+    resident = load_model(_options(path))
+    statuses = []
+    streamed, options = _streamed(path, statuses, ram=1 if tier == "disk" else None)
+    assert streamed.plan.tier_of.count(tier) >= LAYERS - 2, streamed.plan.tier_of
+    assert isinstance(streamed.source, kernel_cache.KernelCachedSource)
+    assert any(line.startswith("GGUF layers stored in this CPU's int4 kernel layout") for line in statuses)
+    assert streamed.plan.request.layer_bytes == streamed.source.layout(torch.float32).num_bytes
+    assert plan_for(options).request.layer_bytes == streamed.plan.request.layer_bytes     # planned as loaded
+    repacks = []
+    ids = torch.randint(0, resident.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    expected = resident.model.forward(ids, resident.model.new_cache(16)).logits
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_linear, "from_gguf", lambda *a, **k: repacks.append(a) or None)
+        for _ in range(2):
+            assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
+    assert repacks == []                                        # streamed layers are multiplied as read
+    streamed.layers.close()
+    again = []
+    reopened, _ = _streamed(path, again, ram=1 if tier == "disk" else None)   # the next start reads the stored file
+    assert isinstance(reopened.source, kernel_cache.KernelCachedSource) and not any("stored" in s for s in again)
+    reopened.layers.close()
+
+
+def test_a_damaged_cache_is_made_again(tmp_path, cache):
+    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+    first, _ = _streamed(path)
+    stored = first.source.path
+    first.layers.close()
+    first.source.close()
+    stored.write_bytes(stored.read_bytes()[:1000])              # truncated
+    statuses = []
+    second, _ = _streamed(path, statuses)
+    assert isinstance(second.source, kernel_cache.KernelCachedSource)
+    assert any("stored" in line for line in statuses)
+    second.layers.close()
+
+
+def test_layers_that_differ_in_the_kernels_layout_keep_the_repack(tmp_path, cache):
+    path = _uniform(tmp_path / "mixed.gguf", [Q.Q4_K, Q.Q8_0] * (LAYERS // 2))      # Q8_0 doubles the codes
+    statuses = []
+    streamed, _ = _streamed(path, statuses)
+    assert not isinstance(streamed.source, kernel_cache.KernelCachedSource)
+    assert any("repack per pass" in line and "differs from layer 0" in line for line in statuses)
+    streamed.layers.close()
+
+
+def test_a_gguf_the_kernel_cannot_wholly_take_is_not_cached(tmp_path, cache):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS)    # Q6_K matrices among Q4_K and Q8_0
+    streamed, _ = _streamed(path)
+    assert not kernel_cache.serves(streamed.source) and not isinstance(streamed.source, kernel_cache.KernelCachedSource)
+    streamed.layers.close()
+
+
+def test_the_cache_is_keyed_by_the_cpus_dispatch_and_the_dtype(tmp_path, cache, monkeypatch):
+    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+    folder = resolve_model(str(path))
+    source = open_source(folder, ModelConfig.from_file(folder))
+    here = kernel_cache.kernel_cache_path(source, torch.float32, cache)
+    assert here != kernel_cache.kernel_cache_path(source, torch.bfloat16, cache)
+    other = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert kernel_cache.kernel_cache_path(source, torch.float32, cache) != here
+
+
+def test_a_disk_without_room_keeps_the_repack_and_says_why(tmp_path, cache, monkeypatch):
+    import shutil
+    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
+    statuses = []
+    streamed, _ = _streamed(path, statuses)
+    assert not isinstance(streamed.source, kernel_cache.KernelCachedSource)
+    assert any("repack per pass" in line and "GiB free" in line for line in statuses)
+    assert not list((cache / "kernel_layers").glob("*"))       # nothing half-written left behind
+    streamed.layers.close()
