@@ -37,7 +37,7 @@ from spec import DecodeConfig, Decoder, default_draft_for, load_any_draft
 from offload.weights.gguf_import import cache_root
 from runtime.self_drafting import SELF_DRAFT_MAX_DEPTH
 from spec.self_draft import SELF_DRAFT, SubstituteConfig, load_self_draft
-from spec.simulation import greedy_answers, simulate, simulate_self
+from spec.simulation import SIMULATION_VERSION, greedy_answers, simulate, simulate_self
 from spec.distill.prompts import prompts_from_jsonl
 
 def default_prompt_files() -> list[Path]:
@@ -110,7 +110,8 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
     answers = _answers(config, target, prompts, on_status)
     draft, run_one = _drafting(config, target, on_status)
     growth = [] if draft.growth_temperature == 1.0 else [f"growth temperature {draft.growth_temperature}"]
-    checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth))
+    checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth,
+                                       SIMULATION_VERSION))
     rows = []
     for budget in config.budgets:
         passes, seconds = [], 0.0

@@ -21,6 +21,12 @@ from .speculator import Proposal, Speculator
 from .tree import Tree
 from .verify import accepted_path
 
+# Bumped whenever growth or a draft's scoring changes what a simulated pass accepts: a resumed run's finished work
+# (bench/tree_simulation.py's checkpoint) counts only under the version that made it. 2: a self-draft's rounds
+# take the best nodes that fit the draft cache rows left (they stopped), score with an 8-bit head on a CPU, and no
+# node grow.NEGLIGIBLE_RATIO times less likely than the best open one is expanded.
+SIMULATION_VERSION = 2
+
 
 def greedy_answers(decoder: Decoder, prompts: list[list[int]]) -> list[list[int]]:
     """The target's greedy answers, one token per pass (the reference speculation must reproduce)."""
