@@ -224,6 +224,6 @@ def test_a_spqr_target_drafts_for_itself(quantized, tmp_path, monkeypatch):
     assert torch.equal(dense_layer(model.source, 1)["down"], decoded["down"].matrix.dequantize())
     draft = load_self_draft(model, SubstituteConfig(4), layers=[1, 2, 3])
     plain = Decoder(model.model, set(), DecodeConfig(12, 64)).generate([3, 17, 5], SamplingConfig())
-    spec = Decoder(model.model, set(), DecodeConfig(12, 64, max_pass_tokens=16), SelfSpeculator(draft, 8),
-                   FixedBudget(8)).generate([3, 17, 5], SamplingConfig())
+    spec = Decoder(model.model, set(), DecodeConfig(12, 64, max_pass_tokens=16),
+                   SelfSpeculator(draft, 8, priced=False), FixedBudget(8)).generate([3, 17, 5], SamplingConfig())
     assert spec.token_ids == plain.token_ids and spec.stats.num_target_passes < 12
