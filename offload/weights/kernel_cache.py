@@ -120,7 +120,9 @@ class KernelCachedSource:
         return layout, weights
 
     def __getattr__(self, name: str):
-        return getattr(self.gguf, name)
+        if name == "gguf":               # not yet set (a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.gguf, name)   # globals, resident layers, status lines, keys: the GGUF's
 
     def layout(self, dtype: torch.dtype) -> LayerLayout:
         return self._layout
