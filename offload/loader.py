@@ -140,18 +140,14 @@ def _request_for(options: LoadOptions) -> PlanRequest:
     if on_packed_kernel(source, options, device):    # the output matrix packed beside the dense embedding
         global_bytes += source.kernel_head_bytes(dtype)
     request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
-    if on_packed_kernel(source, options, device) and kernel_cache.serves(source) and _plan_streams(request):
-        # streamed from the kernel layer cache (build_engine): planned in its layout
+    try:
+        cached = _streams_from_kernel_cache(source, options, device, make_plan(request))
+    except PlanError:
+        return request          # the caller's plan says why
+    if cached:                  # planned in the cache's layout, as build_engine loads it
         request = _plan_request(options, source, kernel_cache.kernel_layout(source, dtype, cache_root()), global_bytes,
                                 device, dtype)
     return request
-
-
-def _plan_streams(request: PlanRequest) -> bool:
-    try:
-        return _streams(make_plan(request))
-    except PlanError:
-        return False            # the caller's plan says why
 
 
 def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:
@@ -201,7 +197,7 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
         globals_["lm_head"] = head
     layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
-    if on_kernel and _streams(plan) and kernel_cache.serves(source):
+    if _streams_from_kernel_cache(source, options, device, plan):
         cached = kernel_cache.open_kernel_cache(source, dtype, cache_root(), on_status)
         if cached is not None:   # streamed layers read as the kernel multiplies them: planned in that layout
             source, layout = cached, cached.layout(dtype)
@@ -213,8 +209,10 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
     return Engine(model, layers, plan, global_bytes, on_kernel, source)
 
 
-def _streams(plan: Plan) -> bool:
-    return any(tier != "device" for tier in plan.tier_of)
+def _streams_from_kernel_cache(source: WeightSource, options: LoadOptions, device: torch.device, plan: Plan) -> bool:
+    """Whether the layers this plan streams are read from the GGUF's kernel layer cache (weights/kernel_cache.py)."""
+    return on_packed_kernel(source, options, device) and any(tier != "device" for tier in plan.tier_of) \
+        and kernel_cache.serves(source)
 
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,
@@ -233,7 +231,8 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
         device_budget=options.gpu_mem or default_device_memory(device),
         host_budget=options.ram or default_host_memory(),
         draft_bytes=options.draft_bytes + _self_draft_head_bytes(options, source, device),
-        draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context, max_tree=options.max_pass_tokens,
+        draft_kv_token_bytes=options.draft_kv_token_bytes, max_context=options.max_context,
+        max_tree=options.max_pass_tokens,
         dtype_bytes=dtype.itemsize, kv_dtype_bytes=8 if on_packed_kernel(source, options, device) else 0,   # float64
         ring_size=options.ring_size or ring_size_for(device, layout.num_bytes, source.config.num_layers),
         device_is_cpu=device.type == "cpu",

@@ -179,8 +179,8 @@ class Growth:
         pool.add_children(self._chosen, self._logq, self.vocab_map, min(config.max_children, config.budget - 1))
         self._add_lookups()
         pool.prune(config.budget, config.min_child_gain)
-        # the best that fit, leaving three quarters of the rows left to deeper rounds
-        chosen = pool.open_nodes(config.budget, min(config.width, max(room // 4, min(room, 1))), config.max_depth)
+        width = min(config.width, max(room // 4, 1)) if room else 0   # three quarters of the rows left to deeper rounds
+        chosen = pool.open_nodes(config.budget, width, config.max_depth)
         if config.min_node_gain:
             chosen = chosen[pool.logprobs[chosen] >= math.log(config.min_node_gain)]
         if chosen.numel() == 0 or (config.min_gain or config.min_node_gain) and \

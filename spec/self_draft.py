@@ -1,8 +1,9 @@
 """The target drafts for itself (SubSpec, arXiv 2509.18344): every layer the plan keeps on the device is used as it
 is (one copy), every streamed layer is replaced by a low-bit substitute kept on the device (quant/lowbit.py: made
 from the layer's own weights at the first start, cached in the model cache), and the embeddings, final norm and LM
-head are the target's (on a CPU the head multiplies packed: draft_head). The draft attends to the target's own KV cache (spec/speculator.SelfSpeculator), so it has
-no cache and no prefill of its own: a draft step is one forward of the whole model that streams nothing.
+head are the target's (on a CPU the head multiplies packed: draft_head). The draft attends to the target's own KV
+cache (spec/speculator.SelfSpeculator), so it has no cache and no prefill of its own: a draft step is one forward of
+the whole model that streams nothing.
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def load_self_draft(target: LoadedModel, settings: SubstituteConfig, on_status=N
     own_head = 0 if head is model.lm_head or isinstance(model.lm_head, Int4Head) else head.nbytes   # a copy's bytes
     loaded = LoadedModel(target.path, target.config, target.tokenizer, draft_model, layers, target.plan,
                          target.stop_ids, global_bytes=own_head)
-    return Draft(loaded, target.config.vocab_size, is_self=True, growth_temperature=growth_temperature(cache.mean_error))
+    return Draft(loaded, target.config.vocab_size, is_self=True,
+                 growth_temperature=growth_temperature(cache.mean_error))
 
 
 def draft_head(head, device: torch.device):

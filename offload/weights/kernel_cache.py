@@ -39,8 +39,9 @@ def kernel_cache_path(gguf, dtype: torch.dtype, root: Path) -> Path:
 
 def serves(gguf) -> bool:
     """Whether `gguf` is a GGUF whose every decoder matrix multiplies on the kernel (one layout fits every layer)."""
-    return isinstance(gguf, GgufSource) and all(packed_linear.takes(info.qtype, info.shape) for layer in gguf._layers for info in layer.values()
-               if len(info.shape) == 2)
+    return isinstance(gguf, GgufSource) and all(packed_linear.takes(info.qtype, info.shape)
+                                                for layer in gguf._layers for info in layer.values()
+                                                if len(info.shape) == 2)
 
 
 def _flat(layer: dict) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
