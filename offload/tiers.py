@@ -43,8 +43,8 @@ class DiskTier:
 
     def __init__(self, source: WeightSource, layout: LayerLayout, direct: bool = False, span_align: int = 16) -> None:
         self.source, self.layout, self.span_align = source, layout, span_align
-        # the files the layers are read from (a GGUF's kernel layer cache, not the GGUF)
-        self.paths = getattr(source, "layer_file_paths", source.file_paths)()
+        self.paths = sorted({path for index in range(source.config.num_layers)      # the files layers are read from
+                             for path, _ in source.layer_entries(index).values()})
         self.is_direct = direct and all(DirectReader.supported(path) for path in self.paths)
         self.reader = DirectReader() if self.is_direct else BufferedReader()
         self._runs: dict[int, tuple[list[FileRun], dict[str, TensorEntry]]] = {}

@@ -15,11 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from offload.fused import OptionalKernel
 from offload.weights.ggml_types import GGMLType
 from offload.weights.packed_linear import GROUP, ROW_MULTIPLE, Int4Weight, from_gguf, pack_codes, takes_dense
 from .packbits import pack, packed_bytes, unpack
 
 REFINE_ROUNDS = 12
+FUSED = OptionalKernel("quant.lowbit_triton", "low-bit substitutes")    # the CUDA kernel, where Triton runs
+FUSED_ROWS = 256              # a draft round's rows: a longer input (a catch-up) is dequantized and multiplied densely
 CHUNK_ROWS = 4096             # rows quantized at once: temporaries stay a few hundred MB at 70B widths
 
 
@@ -115,8 +118,9 @@ def from_tensors(tensors: dict[str, Tensor], prefix: str, shape: tuple[int, int]
 
 
 class LowBitWeight:
-    """A low-bit matrix the layer math multiplies (offload/model/layers.linear): dequantized at each use on
-    its device. Holds the codes bit-packed, so it takes bits + 32 / group bits per weight."""
+    """A low-bit matrix the layer math multiplies (offload/model/layers.linear): on CUDA from its packed codes by
+    the fused kernel, elsewhere dequantized at each use. Holds the codes bit-packed: bits + 32 / group bits per
+    weight."""
 
     def __init__(self, matrix: LowBitMatrix, device: torch.device) -> None:
         self.shape, self.bits, self.group = matrix.shape, matrix.bits, matrix.group
@@ -124,7 +128,16 @@ class LowBitWeight:
         self.scale, self.offset = matrix.scale.to(device), matrix.offset.to(device)
 
     def matmul(self, x: Tensor) -> Tensor:
-        """x [..., K] -> [..., N]."""
+        """x [..., K] -> [..., N]. On CUDA, a draft round's rows go through the fused kernel (quant/lowbit_triton.py)
+        where Triton runs; otherwise the weight is unpacked and dequantized for this product."""
+        if x.is_cuda and x.numel() <= FUSED_ROWS * self.shape[1]:
+            out = FUSED.run("matmul", x, self.packed, self.scale, self.offset, self.shape, self.bits, self.group)
+            if out is not None:
+                return out
+        return self.dense_matmul(x)
+
+    def dense_matmul(self, x: Tensor) -> Tensor:
+        """matmul's torch path: the weight unpacked and dequantized in x's dtype for this product."""
         codes = unpack(self.packed, self.bits, self.shape[0] * self.shape[1]).view(self.shape)
         matrix = LowBitMatrix(codes, self.scale, self.offset, self.bits, self.group)
         return F.linear(x, matrix.dequantize(x.dtype))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_distill_stopped_at_a_checkpoint_resumes_from_the_last_one(chat_target, 
                            num_self_prompts=0, num_template_prompts=2, max_gsm8k_prompts=2, max_prompts=4,
                            num_sampled_prompts=0, generation=generation, device="cpu", dtype="fp32",
                            checkpoint_seconds=0.0)
-    fill_disk(monkeypatch, "fsync", lambda path: path.endswith("checkpoint.safetensors.tmp"), skip=1)
+    fill_disk(monkeypatch, "fsync", lambda path: re.search(r"checkpoint\.safetensors\.[\w-]+\.tmp$", path), skip=1)
     with pytest.raises(StorageFullError) as err:
         distill(config)
     work = out / "training"
@@ -143,7 +144,7 @@ def test_a_gguf_conversion_on_a_full_disk_removes_its_partial_folder(tmp_path, m
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
     gguf_path = write_gguf(tmp_path / "tiny.gguf", Spec())
     folder, real_fsync = gguf_cache_dir(gguf_path), os.fsync
-    fill_disk(monkeypatch, "fsync", lambda path: path.endswith(".safetensors.tmp"))
+    fill_disk(monkeypatch, "fsync", lambda path: re.search(r"\.safetensors\.[\w-]+\.tmp$", path))
     with pytest.raises(StorageFullError) as err:
         import_gguf(gguf_path)
     message = str(err.value)

@@ -124,3 +124,18 @@ def test_a_disk_without_room_keeps_the_repack_and_says_why(tmp_path, cache, monk
     assert any("repack per pass" in line and "GiB free" in line for line in statuses)
     assert not list((cache / "kernel_layers").glob("*"))       # nothing half-written left behind
     streamed.layers.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_the_layout_from_shapes_is_the_repacked_layers(tmp_path, cache, qtype):
+    """kernel_layout without a cache file reads layer 0's shapes (nothing repacked): the layout it gives is the
+    one layer 0 repacked lands in (fused q/k/v and gate/up, Q8_0's doubled width, the decoded norms)."""
+    folder = resolve_model(str(_uniform(tmp_path / "m.gguf", [qtype] * LAYERS)))
+    source = open_source(folder, ModelConfig.from_file(folder))
+    repacked = kernel_cache._flat(source.kernel_layer(0, None, torch.float32))
+    meta = kernel_cache._flat(source.kernel_layer_meta(torch.float32))
+    assert meta[1] == repacked[1] and "qkv" in meta[1]
+    assert [(n, t.dtype, t.shape) for n, t in meta[0].items()] == \
+        [(n, t.dtype, t.shape) for n, t in repacked[0].items()]
+    assert kernel_cache.kernel_layout(source, torch.float32, cache) == \
+        kernel_cache.LayerLayout.from_tensors(repacked[0], None)

@@ -209,6 +209,15 @@ class GgufSource:
                     for name in kernel}
         return {**layer, **packed_linear.from_gguf_layer(matrices)}
 
+    def kernel_layer_meta(self, dtype: torch.dtype) -> dict:
+        """Layer 0's kernel_layer on the "meta" device: its tensors' names, shapes and dtypes, nothing repacked."""
+        infos = self._layers[0]
+        kernel = {name: (info.qtype, info.shape) for name, info in infos.items()
+                  if packed_linear.takes(info.qtype, info.shape)}
+        rest = {name: torch.empty(info.shape, dtype=dtype, device="meta") for name, info in infos.items()
+                if name not in kernel}
+        return {**rest, **packed_linear.empty_layer(kernel, "meta")}
+
     def kernel_head(self) -> packed_linear.Int4Head | None:
         """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""
         info = self._globals.get("lm_head", self._globals["embed"])

@@ -128,10 +128,6 @@ class KernelCachedSource:
     def layout(self, dtype: torch.dtype) -> LayerLayout:
         return self._layout
 
-    def layer_file_paths(self) -> list[Path]:
-        """The file the decoder layers are read from (file_paths stays the GGUF's: what keys the model)."""
-        return [self.path]
-
     def layer(self, index: int) -> dict[str, Tensor]:
         """A layer's stored tensors, views into the mapped cache file (the RAM tier packs them)."""
         return self._layout.views(self._file.tensor(f"layer.{index}"))
@@ -164,7 +160,7 @@ class KernelCachedSource:
 
 
 def kernel_layout(gguf, dtype: torch.dtype, root: Path) -> LayerLayout:
-    """The cache's layer layout (read from the file where it exists, else from one layer repacked)."""
+    """The cache's layer layout (read from the file where it exists, else from layer 0's shapes)."""
     path = kernel_cache_path(gguf, dtype, root)
     if path.is_file():
         try:
@@ -172,7 +168,7 @@ def kernel_layout(gguf, dtype: torch.dtype, root: Path) -> LayerLayout:
                 return cached.layout(dtype)
         except (OSError, CorruptCheckpointError):
             pass
-    return LayerLayout.from_tensors(_flat(gguf.kernel_layer(0, None, dtype))[0], None)
+    return LayerLayout.from_tensors(_flat(gguf.kernel_layer_meta(dtype))[0], None)
 
 
 def open_kernel_cache(gguf, dtype: torch.dtype, root: Path, on_status=None) -> KernelCachedSource | None:

@@ -122,21 +122,30 @@ def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) ->
     type family and have N a multiple of 64: one product (and one cast of its input) for several, written in
     place (no concatenation). Bitwise the separate products side by side: the kernel computes each block of 64
     (AVX512; 32 AVX2) output rows alone."""
+    weights = empty_layer({name: (qtype, shape) for name, (_, qtype, shape) in matrices.items()})
+    for name, weight in weights.items():
+        row = 0
+        for part in FUSED[name] if name in FUSED and name not in matrices else (name,):
+            raw, qtype, shape = matrices[part]
+            from_gguf(raw, qtype, shape, out=weight.rows(row, row + shape[0]))
+            row += shape[0]
+    return weights
+
+
+def empty_layer(specs: dict[str, tuple[int, tuple[int, int]]], device: str | torch.device = "cpu"
+                ) -> dict[str, Int4Weight]:
+    """The Int4Weights from_gguf_layer makes of matrices of these (GGUF type, shape), unfilled: on the "meta"
+    device, the kernel's layout of a layer without repacking one."""
     weights = {}
     for name, parts in FUSED.items():
-        found = [matrices[part] for part in parts if part in matrices]
-        if len(found) < len(parts) or any(shape[0] % 64 for _, _, shape in found) or \
-                len({(shape[1], _repeat(qtype)) for _, qtype, shape in found}) != 1:
+        found = [specs[part] for part in parts if part in specs]
+        if len(found) < len(parts) or any(shape[0] % 64 for _, shape in found) or \
+                len({(shape[1], _repeat(qtype)) for qtype, shape in found}) != 1:
             continue
-        num_in, repeat = found[0][2][1], _repeat(found[0][1])
-        stacked = _empty(sum(shape[0] for _, _, shape in found), num_in, repeat)
-        row = 0
-        for raw, qtype, shape in found:
-            from_gguf(raw, qtype, shape, out=stacked.rows(row, row + shape[0]))
-            row += shape[0]
-        weights[name] = stacked
+        weights[name] = _empty(sum(shape[0] for _, shape in found), found[0][1][1], _repeat(found[0][0]), device)
     done = {part for name in weights for part in FUSED[name]}
-    weights.update({name: from_gguf(*spec) for name, spec in matrices.items() if name not in done})
+    weights.update({name: _empty(*shape, _repeat(qtype), device) for name, (qtype, shape) in specs.items()
+                    if name not in done})
     return weights
 
 
@@ -150,10 +159,11 @@ def _repeat(qtype: int) -> int:
     return 2 if int(qtype) == int(T.Q8_0) else 1
 
 
-def _empty(num_out: int, num_in: int, repeat: int) -> Int4Weight:
+def _empty(num_out: int, num_in: int, repeat: int, device: str | torch.device = "cpu") -> Int4Weight:
     width = num_in * repeat
-    return Int4Weight(torch.empty(num_out, width // 2, dtype=torch.uint8),
-                      torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16), (num_out, num_in), repeat)
+    return Int4Weight(torch.empty(num_out, width // 2, dtype=torch.uint8, device=device),
+                      torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16, device=device), (num_out, num_in),
+                      repeat)
 
 
 def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int], out: Int4Weight | None = None) -> Int4Weight:

@@ -6,6 +6,7 @@ import math
 import json
 import mmap
 import os
+import secrets
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,11 @@ def _entry(path: Path, name: str, raw: dict, data_start: int, file_size: int) ->
 
 
 
+def _temp_beside(path: Path) -> Path:
+    """A temp name beside `path` that no other writer of the same file uses (two processes may build one cache)."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
     """Writes tensors (any order) atomically: a temp file renamed into place."""
     path = Path(path)
@@ -119,7 +125,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Tensor], metadata: di
         offset += num_bytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = _temp_beside(path)
     try:
         with open(tmp, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)))
@@ -143,7 +149,7 @@ class SafetensorsStreamWriter:
     def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
-        self._tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        self._tmp = _temp_beside(self.path)
         header, self._ends = _stream_header(specs, metadata)
         self._names = list(specs)
         self._dtypes = [dtype for dtype, _ in specs.values()]

@@ -1,5 +1,7 @@
 """Decoding one decoder layer's packed weights on the compute device, against the link: SpQR w4 (the fused
-Triton kernel and the torch path) and GGUF Q4_K (the Triton kernel and the torch block decoder).
+Triton kernel and the torch path) and GGUF Q4_K (the Triton kernel and the torch block decoder); and a
+self-draft's low-bit substitutes of such a layer multiplied by a draft round's rows (the fused Triton product,
+the torch unpack-and-dequantize path, the dense bf16 layer's product).
 
 A packed layer streams its packed bytes, then decodes them; it pays off where transfer + decode of the
 packed layer beats the transfer of the dense one (or where decoding hides under the next layer's copy).
@@ -92,4 +94,42 @@ def gguf_q4_k_check(config: ModelConfig, device: torch.device, link_gbps: float)
     if "triton" in paths:          # bit-exact in float32, by construction
         result["triton_equals_torch"] = bool(torch.equal(paths["triton"](raws[0], shapes[0], torch.float32),
                                                          paths["torch"](raws[0], shapes[0], torch.float32)))
+    return result
+
+
+LOWBIT_ROWS = (1, 16, 64)      # a draft round's rows
+
+
+def _random_lowbit(shape: tuple[int, int], bits: int, device: torch.device):
+    """A substitute of random codes, scales and offsets (quantizing a 70B layer here would cost the step's time)."""
+    from quant.lowbit import LowBitMatrix, LowBitWeight
+    out, inp = shape
+    codes = torch.randint(0, 1 << bits, (out, inp), dtype=torch.uint8, device=device)
+    scale = (torch.rand(out, inp // 32, device=device) * 1e-2).half()
+    return LowBitWeight(LowBitMatrix(codes, scale, -scale * (1 << (bits - 1)), bits, 32), device)
+
+
+def lowbit_check(config: ModelConfig, device: torch.device, link_gbps: float) -> dict:
+    """One layer's matrices as 2-, 3- and 4-bit substitutes: ms per draft round of 1/16/64 rows through the fused
+    kernel and the torch path, beside the dense bf16 layer's product and the link's time for the dense bytes (what
+    a streamed layer costs the target's pass)."""
+    from quant import lowbit
+    shapes = list(matrix_shapes(config).values())
+    params = sum(a * b for a, b in shapes)
+    result: dict = {"params": params, "fused_available": device.type == "cuda" and lowbit.FUSED.usable,
+                    "dense_transfer_ms": round(1e3 * params * DENSE_BYTES / (link_gbps * 1e9), 3), "rows": {}}
+    dense = [torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02 for shape in shapes]
+    for rows in LOWBIT_ROWS:
+        xs = [torch.randn(rows, shape[1], device=device, dtype=torch.bfloat16) for shape in shapes]
+        figures = {"dense_bf16_ms": best_ms(lambda: [x @ w.T for x, w in zip(xs, dense)], device)}
+        for bits in (2, 3, 4):
+            weights = [_random_lowbit(shape, bits, device) for shape in shapes]
+            figures[f"w{bits}_torch_ms"] = best_ms(lambda: [w.dense_matmul(x) for x, w in zip(xs, weights)], device)
+            if result["fused_available"]:
+                figures[f"w{bits}_fused_ms"] = best_ms(lambda: [w.matmul(x) for x, w in zip(xs, weights)], device)
+                first = weights[0]
+                figures[f"w{bits}_fused_equals_torch"] = bool(torch.allclose(
+                    first.matmul(xs[0]).float(), first.dense_matmul(xs[0]).float(), rtol=2e-2, atol=2e-2))
+        result["rows"][str(rows)] = figures
+    result["fused_failures"] = lowbit.FUSED.failures[:1]
     return result

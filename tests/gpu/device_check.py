@@ -2,7 +2,7 @@
 perf.pass_model.load_device_check reads (`plan --measured-curve FILE`).
 
     python tests/gpu/device_check.py [--device auto] [--shape 70b] [--layers 8] [--tokens 1,16,...,2048]
-                                     [--sections stream,spqr,gguf,syncs] [--out FILE]
+                                     [--sections stream,spqr,gguf,lowbit,syncs] [--out FILE]
     python tests/gpu/device_check.py --merge PART.json... [--steps STEPS.txt] [--junit PYTEST.xml] --out FILE
 Sections, each on its own (a failing one leaves its error under "errors", the others their results; with
 --out the file is rewritten after every section, so a run killed by its time limit keeps what finished):
@@ -11,6 +11,8 @@ Sections, each on its own (a failing one leaves its error under "errors", the ot
           efficiency = (streamed bytes / raw pinned H2D rate) / pass seconds; host syncs of one pass beside
   spqr    SpQR w4 dequantization of one such layer (tests/gpu/dequantize_check.py)
   gguf    GGUF Q4_K decoding of one such layer, Triton kernel and torch decoder (likewise)
+  lowbit  one such layer as a self-draft's 2/3/4-bit substitutes: a draft round's product, fused kernel vs torch
+          path vs the dense bf16 layer (likewise)
   syncs   greedy speculation with the embedded default pair: tokens/s and host syncs per step by budget
           (tests/gpu/sync_check.py)
 --shape tiny shrinks the layers (with --device cpu the test suite runs it); --dry-run = --device cpu --shape tiny.
@@ -32,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]      # the project, and tests/ (this folder is tests/gpu)
-from gpu.dequantize_check import gguf_q4_k_check, spqr_check  # noqa: E402
+from gpu.dequantize_check import gguf_q4_k_check, lowbit_check, spqr_check  # noqa: E402
 from offload.bandwidth import copy_gbps, host_to_device_gbps  # noqa: E402
 from offload.host_sync import count_host_syncs  # noqa: E402
 from offload.loader import LoadOptions, build_engine  # noqa: E402
@@ -44,7 +46,7 @@ from spec.tree import Tree  # noqa: E402
 
 SHAPES = {"70b": dict(hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8, head_dim=128),
           "tiny": dict(hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2, head_dim=32)}
-SECTIONS = ("stream", "spqr", "gguf", "syncs")
+SECTIONS = ("stream", "spqr", "gguf", "lowbit", "syncs")
 VOCAB = 1024
 
 
@@ -170,6 +172,7 @@ def check(device: torch.device, shape: str, num_layers: int, pass_tokens: list[i
     runs = {"stream": lambda: stream_check(config, device, dtype, pass_tokens),
             "spqr": lambda: {"spqr_w4_dequantize": spqr_check(config, device, result["pinned_h2d_gbps"])},
             "gguf": lambda: {"gguf_q4_k_dequantize": gguf_q4_k_check(config, device, result["pinned_h2d_gbps"])},
+            "lowbit": lambda: {"lowbit_substitutes": lowbit_check(config, device, result["pinned_h2d_gbps"])},
             "syncs": lambda: {"speculation_syncs": _default_pair_syncs(device, sync_budgets, sync_tokens)}}
     layer_bytes = config.layer_param_count * dtype.itemsize
     for section in ["link", *sections]:
@@ -237,6 +240,8 @@ def summary(result: dict) -> str:
         if key in result:
             figures = {k: v for k, v in result[key].items() if k.endswith(("_ms", "equals_torch"))}
             lines.append(f"  {key}: {figures}")
+    for rows, figures in result.get("lowbit_substitutes", {}).get("rows", {}).items():
+        lines.append(f"  lowbit substitutes, {rows} rows: {figures}")
     for row in result.get("speculation_syncs", {}).get("rows", []):
         lines.append(f"  budget {row['budget']!s:>14}: {row['tokens_per_second']:7.1f} tok/s, "
                      f"{row['tokens_per_pass']:.2f} tok/pass, {row['host_reads_per_step']} host reads/step "
