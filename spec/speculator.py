@@ -95,7 +95,7 @@ class Speculator:
             if lookup is not None:
                 lookup.sync(proposal.committed_ids + [proposal.root])
             before_root = proposal.committed_ids[-1] if proposal.committed_ids else None
-            growths.append(Growth(proposal.root, logprobs, self._growth(proposal.growth), self.vocab_map, lookup,
+            growths.append(Growth(proposal.root, logprobs, proposal.growth, self.vocab_map, lookup,    # priced below
                                   before_root))
         while True:
             rounds = []
