@@ -16,7 +16,7 @@ from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
 from offload.weights import kernel_cache
 from offload.weights.gguf_import import cache_root
-from offload.weights.packed_linear import dense_q8_bytes
+from offload.weights.packed_linear import draft_head_copy_bytes
 from offload.planner import Plan, PlanError, PlanRequest, largest_batch, make_plan, streaming_budget
 from offload.resident import to_device
 from offload.weights.resolve import is_default_model, resolve_model
@@ -241,13 +241,11 @@ def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayou
 
 
 def _self_draft_head_bytes(options: LoadOptions, source: WeightSource, device: torch.device) -> int:
-    """A self-draft's 8-bit copy of the output matrix (spec/self_draft.draft_head): on a CPU where the target's head
-    stays a dense float matrix."""
-    if not options.substitute_layer_bytes or device.type != "cpu":
+    """A self-draft's 8-bit copy of the output matrix, where it makes one."""
+    if not options.substitute_layer_bytes:
         return 0
-    if on_packed_kernel(source, options, device) and source.kernel_head_bytes(torch.float32):
-        return 0                  # the target's packed head, shared
-    return dense_q8_bytes((source.config.vocab_size, source.config.hidden_size))
+    packed = on_packed_kernel(source, options, device) and source.kernel_head_bytes(torch.float32) > 0
+    return draft_head_copy_bytes((source.config.vocab_size, source.config.hidden_size), packed, device)
 
 
 def _prompt_dense_bytes(options: LoadOptions, source: WeightSource, device: torch.device, dtype: torch.dtype) -> int:
@@ -278,11 +276,12 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     tier_of = plan.tier_of
     # resident layers decoded (or repacked for the CPU's kernel) at load, not at every use, unless the plan keeps
     # them packed
-    decode_once = None if plan.request.resident_packed else getattr(source, "dense_layer", None)
     on_kernel = on_packed_kernel(source, options, device)
     if on_kernel:
         def decode_once(index: int, device: torch.device, dtype: torch.dtype) -> dict:
             return source.kernel_layer(index, None, dtype)
+    else:
+        decode_once = None if plan.request.resident_packed else getattr(source, "dense_layer", None)
     resident = {i: decode_once(i, device, dtype) if decode_once else to_device(source.layer(i), device, dtype)
                 for i, t in enumerate(tier_of) if t == "device"}
     ram_layers = [i for i, t in enumerate(tier_of) if t == "ram"]

@@ -20,7 +20,7 @@ from offload import DecoderModel, LoadedModel
 from offload.model.config import ModelConfig
 from offload.weights.gguf_import import cache_root
 from offload.weights.safetensors_io import CorruptCheckpointError
-from offload.weights.packed_linear import Int4Head, takes_dense
+from offload.weights.packed_linear import Int4Head, draft_head_copy_bytes
 from quant.lowbit import REFINE_ROUNDS, LowBitMatrix, from_tensors, int8_head, quantize_matrix, relative_error, \
     substitute_bytes, substitute_weight, to_tensors
 from .draft import Draft
@@ -125,9 +125,8 @@ def draft_head(head, device: torch.device):
     target's. The draft's logits only order the tree; verification reads the target's."""
     if isinstance(head, Int4Head):
         return head.weight
-    if device.type == "cpu" and isinstance(head, Tensor) and head.is_floating_point() \
-            and takes_dense(tuple(head.shape)):
-        return int8_head(head)
+    if isinstance(head, Tensor) and head.is_floating_point() and draft_head_copy_bytes(tuple(head.shape), False, device):
+        return int8_head(head)                       # the copy the plan counted (offload/loader.py)
     return head
 
 

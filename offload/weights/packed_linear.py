@@ -55,6 +55,12 @@ def dense_q8_bytes(shape: tuple[int, int]) -> int:
     return kernel_bytes(T.Q8_0, shape) if takes_dense(shape) else 0
 
 
+def draft_head_copy_bytes(shape: tuple[int, int], head_is_packed: bool, device: torch.device) -> int:
+    """Bytes of the 8-bit copy a self-draft scores with (spec/self_draft.draft_head, quant/lowbit.int8_head): made on
+    a CPU of a dense float output matrix the kernel takes; 0 where there is none (a packed head is shared)."""
+    return 0 if head_is_packed or device.type != "cpu" else dense_q8_bytes(shape)
+
+
 @dataclass(slots=True)
 class Int4Weight:
     """A [N, K] weight in torch's CPU int4 layout; `linear` (offload/model/layers.py) calls its matmul."""
