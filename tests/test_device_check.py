@@ -33,6 +33,8 @@ def test_device_check_dry_run_writes_json(tmp_path):
     gguf = result["gguf_q4_k_dequantize"]        # 144 bytes per 256 weights: 4.5 bits
     assert gguf["torch_ms"] > 0 and gguf["triton_available"] is False and gguf["packed_bytes"] * 8 == 4.5 * gguf["params"]
     assert gguf["dense_transfer_ms"] > gguf["transfer_ms"] and result["errors"] == {}
+    q6_k = result["gguf_q6_k_dequantize"]        # 210 bytes per 256 weights: 6.5625 bits
+    assert q6_k["torch_ms"] > 0 and q6_k["packed_bytes"] * 8 == 6.5625 * q6_k["params"]
     curve = load_device_check(out)
     assert curve.num_layers == 3 and curve.max_tokens == 64 and curve.bytes_streamed == 3 * result["layer_bytes"]
 

@@ -128,27 +128,32 @@ def test_cuda_matches_reference(qtype: T) -> None:
     _assert_bits_equal(decoded, _reference(raw, qtype, shape))
 
 
-def check_triton_q4_k(device: str = "cpu") -> None:
-    """The Triton Q4_K kernel (on the CPU only under TRITON_INTERPRET=1) against the torch decoder, bit for bit."""
+def check_triton_k_quants(device: str = "cpu") -> None:
+    """The Triton Q4_K and Q6_K kernels (on the CPU only under TRITON_INTERPRET=1) against the torch decoder, bit
+    for bit."""
     from offload.weights import gguf_triton
 
-    for shape, seed in (((3, 256), 0), ((5, 512), 1), ((2, 3, 768), 2)):
-        raw = torch.from_numpy(_packed(T.Q4_K, shape, seed)).to(device)
-        expected = gguf_blocks.dequantize(raw.cpu(), T.Q4_K, shape)
-        _assert_bits_equal(gguf_triton.dequantize_q4_k(raw, shape), expected)
-        narrowed = gguf_triton.dequantize_q4_k(raw, shape, torch.bfloat16).cpu()
-        if device == "cpu":     # the interpreter emulates f32 -> bf16 rounding loosely (no ties-to-even)
-            torch.testing.assert_close(narrowed, expected.bfloat16(), rtol=2 ** -7, atol=0)
-        else:
-            assert torch.equal(narrowed, expected.bfloat16())
+    kernels = {T.Q4_K: gguf_triton.dequantize_q4_k, T.Q6_K: gguf_triton.dequantize_q6_k}
+    for qtype, kernel in kernels.items():
+        for shape, seed in (((3, 256), 0), ((5, 512), 1), ((2, 3, 768), 2)):
+            raw = torch.from_numpy(_packed(qtype, shape, seed)).to(device)
+            expected = gguf_blocks.dequantize(raw.cpu(), qtype, shape)
+            _assert_bits_equal(kernel(raw, shape), expected)
+            _assert_bits_equal(kernel(raw, shape), _reference(raw.cpu().numpy(), qtype, shape))
+            narrowed = kernel(raw, shape, torch.bfloat16).cpu()
+            if device == "cpu":     # the interpreter emulates f32 -> bf16 rounding loosely (no ties-to-even)
+                torch.testing.assert_close(narrowed, expected.bfloat16(), rtol=2 ** -7, atol=0)
+            else:
+                assert torch.equal(narrowed, expected.bfloat16())
 
 
-def test_triton_q4_k_kernel_under_the_interpreter() -> None:
-    """The kernel's code, run by Triton's CPU interpreter (in a child process: the interpreter is chosen
+def test_triton_k_quant_kernels_under_the_interpreter() -> None:
+    """The kernels' code, run by Triton's CPU interpreter (in a child process: the interpreter is chosen
     when Triton is first imported)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "import sys; sys.path.insert(0, 'tests'); from test_gguf_blocks import check_triton_q4_k; check_triton_q4_k()"
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_gguf_blocks import check_triton_k_quants; "
+            "check_triton_k_quants()")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -156,9 +161,9 @@ def test_triton_q4_k_kernel_under_the_interpreter() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_q4_k_kernel_on_cuda() -> None:
+def test_triton_k_quant_kernels_on_cuda() -> None:
     pytest.importorskip("triton")
-    check_triton_q4_k("cuda")
+    check_triton_k_quants("cuda")
 
 
 def test_a_failing_fused_kernel_warns_once_and_leaves_the_torch_path(monkeypatch):
@@ -173,7 +178,7 @@ def test_a_failing_fused_kernel_warns_once_and_leaves_the_torch_path(monkeypatch
 
     kernel = OptionalKernel("offload.weights.gguf_triton", "GGUF Q4_K")
     kernel.module = Broken()
-    monkeypatch.setattr(gguf_blocks, "FUSED_Q4_K", kernel)
+    monkeypatch.setattr(gguf_blocks, "FUSED_K_QUANTS", kernel)
     raw = torch.from_numpy(_packed(T.Q4_K, (2, 256)))
     with pytest.warns(RuntimeWarning, match="GGUF Q4_K: the fused Triton kernel failed"):
         assert kernel.run("dequantize_q4_k", raw, (2, 256), torch.float32, None) is None

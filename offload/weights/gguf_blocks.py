@@ -1,7 +1,7 @@
 """Vectorized torch decoding of GGUF (ggml) tensors, bit-exact to gguf.quants.dequantize in float32.
 
 Runs on whatever device holds the raw bytes (CPU or CUDA), with no Python loop over blocks; on CUDA,
-Q4_K goes through gguf_triton's fused kernel where Triton is installed (same bits, one launch). Every
+Q4_K and Q6_K go through gguf_triton's fused kernels where Triton is installed (same bits, one launch). Every
 decoder repeats the float32 operation order of gguf's numpy reference: fp16 fields widened to f32,
 scale products (d * sc) rounded to f32 before they meet the quants, products before sums, never a
 fused multiply-add. Subtracting the integer offset (8, 16, 32) from a quant in f32 is exact, so it
@@ -32,7 +32,8 @@ SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
 # gguf.quants.quantize implements these (the K-quants only decode in the gguf package)
 REFERENCE_QUANTIZED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
 
-FUSED_Q4_K = OptionalKernel("offload.weights.gguf_triton", "GGUF Q4_K")
+FUSED_K_QUANTS = OptionalKernel("offload.weights.gguf_triton", "GGUF Q4_K/Q6_K")
+FUSED_TYPES = {T.Q4_K: "dequantize_q4_k", T.Q6_K: "dequantize_q6_k"}      # its function for each type
 CPU_CHUNK_ELEMENTS = 1 << 20
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
@@ -242,8 +243,8 @@ def dequantize(raw: Tensor, qtype: T, shape: tuple[int, ...], out_dtype: torch.d
         _check_out(out, shape, out_dtype, raw.device)
     if raw.data_ptr() % 4 != 0 or raw.storage_offset() % 4 != 0 or not raw.is_contiguous():
         raw = raw.clone(memory_format=torch.contiguous_format)                  # int32/f32 views need 4-byte alignment
-    if raw.is_cuda and qtype == T.Q4_K:
-        fused = FUSED_Q4_K.run("dequantize_q4_k", raw, shape, out_dtype, out)
+    if raw.is_cuda and qtype in FUSED_TYPES:
+        fused = FUSED_K_QUANTS.run(FUSED_TYPES[qtype], raw, shape, out_dtype, out)
         if fused is not None:
             return fused
     result = out if out is not None else torch.empty(shape, dtype=out_dtype, device=raw.device)

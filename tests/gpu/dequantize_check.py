@@ -1,5 +1,5 @@
 """Decoding one decoder layer's packed weights on the compute device, against the link: SpQR w4 (the fused
-Triton kernel and the torch path) and GGUF Q4_K (the Triton kernel and the torch block decoder); and a
+Triton kernel and the torch path), GGUF Q4_K and Q6_K (Triton kernels and the torch block decoder); and a
 self-draft's low-bit substitutes of such a layer multiplied by a draft round's rows (the fused Triton product,
 the torch unpack-and-dequantize path, the dense bf16 layer's product).
 
@@ -73,20 +73,20 @@ def spqr_check(config: ModelConfig, device: torch.device, link_gbps: float) -> d
     return result
 
 
-def gguf_q4_k_check(config: ModelConfig, device: torch.device, link_gbps: float) -> dict:
-    """One layer's matrices in Q4_K (random valid blocks): ms to decode with the Triton kernel (CUDA) and
-    the torch decoder (offload/weights/gguf_blocks.py) vs ms to transfer the packed bytes."""
+def gguf_check(config: ModelConfig, device: torch.device, link_gbps: float, type_name: str = "Q4_K") -> dict:
+    """One layer's matrices in Q4_K or Q6_K (random valid blocks; a Q4_K_M file holds both): ms to decode with the
+    Triton kernel (CUDA) and the torch decoder (offload/weights/gguf_blocks.py) vs ms to transfer the packed bytes."""
     from gguf import GGMLQuantizationType
 
     from offload.weights import gguf_blocks
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    q4_k, generator = GGMLQuantizationType.Q4_K, np.random.default_rng(0)
+    qtype, generator = GGMLQuantizationType[type_name], np.random.default_rng(0)
     shapes = list(matrix_shapes(config).values())
-    raws = [torch.from_numpy(gguf_blocks.random_blocks(q4_k, shape, generator)).to(device) for shape in shapes]
-    paths = {"torch": lambda raw, shape, out_dtype: gguf_blocks.dequantize(raw, q4_k, shape, out_dtype)}
+    raws = [torch.from_numpy(gguf_blocks.random_blocks(qtype, shape, generator)).to(device) for shape in shapes]
+    paths = {"torch": lambda raw, shape, out_dtype: gguf_blocks.dequantize(raw, qtype, shape, out_dtype)}
     if device.type == "cuda":
-        from offload.weights.gguf_triton import dequantize_q4_k
-        paths["triton"] = dequantize_q4_k
+        from offload.weights import gguf_triton
+        paths["triton"] = getattr(gguf_triton, gguf_blocks.FUSED_TYPES[qtype])
     result = {**_link_figures(sum(a * b for a, b in shapes), sum(r.numel() for r in raws), link_gbps),
               "triton_available": "triton" in paths}
     for name, decode in paths.items():

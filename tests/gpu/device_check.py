@@ -10,7 +10,7 @@ Sections, each on its own (a failing one leaves its error under "errors", the ot
           from pinned RAM through a ring of 2, runs one pass over a random token tree of each size;
           efficiency = (streamed bytes / raw pinned H2D rate) / pass seconds; host syncs of one pass beside
   spqr    SpQR w4 dequantization of one such layer (tests/gpu/dequantize_check.py)
-  gguf    GGUF Q4_K decoding of one such layer, Triton kernel and torch decoder (likewise)
+  gguf    GGUF Q4_K and Q6_K decoding of one such layer, Triton kernels and torch decoder (likewise)
   lowbit  one such layer as a self-draft's 2/3/4-bit substitutes: a draft round's product, fused kernel vs torch
           path vs the dense bf16 layer (likewise)
   syncs   greedy speculation with the embedded default pair: tokens/s and host syncs per step by budget
@@ -34,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]      # the project, and tests/ (this folder is tests/gpu)
-from gpu.dequantize_check import gguf_q4_k_check, lowbit_check, spqr_check  # noqa: E402
+from gpu.dequantize_check import gguf_check, lowbit_check, spqr_check  # noqa: E402
 from offload.bandwidth import copy_gbps, host_to_device_gbps  # noqa: E402
 from offload.host_sync import count_host_syncs  # noqa: E402
 from offload.loader import LoadOptions, build_engine  # noqa: E402
@@ -171,7 +171,8 @@ def check(device: torch.device, shape: str, num_layers: int, pass_tokens: list[i
               "layers": num_layers, "sections": sections, "errors": {}}
     runs = {"stream": lambda: stream_check(config, device, dtype, pass_tokens),
             "spqr": lambda: {"spqr_w4_dequantize": spqr_check(config, device, result["pinned_h2d_gbps"])},
-            "gguf": lambda: {"gguf_q4_k_dequantize": gguf_q4_k_check(config, device, result["pinned_h2d_gbps"])},
+            "gguf": lambda: {f"gguf_{name.lower()}_dequantize":
+                             gguf_check(config, device, result["pinned_h2d_gbps"], name) for name in ("Q4_K", "Q6_K")},
             "lowbit": lambda: {"lowbit_substitutes": lowbit_check(config, device, result["pinned_h2d_gbps"])},
             "syncs": lambda: {"speculation_syncs": _default_pair_syncs(device, sync_budgets, sync_tokens)}}
     layer_bytes = config.layer_param_count * dtype.itemsize
@@ -236,7 +237,7 @@ def summary(result: dict) -> str:
              f"layers of {result.get('layer_bytes')} bytes"]
     lines += [f"  tree {p['tokens']:>5}: {1e3 * p['pass_seconds']:8.1f} ms/pass, efficiency {p['efficiency']:.3f}, "
               f"raw {p['raw_gbps']} GB/s, {p.get('host_syncs_per_pass')} host syncs" for p in result.get("passes", [])]
-    for key in ("spqr_w4_dequantize", "gguf_q4_k_dequantize"):
+    for key in ("spqr_w4_dequantize", "gguf_q4_k_dequantize", "gguf_q6_k_dequantize"):
         if key in result:
             figures = {k: v for k, v in result[key].items() if k.endswith(("_ms", "equals_torch"))}
             lines.append(f"  {key}: {figures}")

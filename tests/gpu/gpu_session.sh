@@ -8,7 +8,7 @@
 #                    target greedy, a step's host syncs on CUDA (tests/test_host_syncs.py)
 #   stream      140  Llama-3.1-70B-shaped layers (8, random bf16) streamed from pinned RAM: one pass per tree of
 #                    1..2048 tokens, the raw pinned link rate beside (the measured pass-time curve)
-#   kernels      90  one 70B-shaped layer: SpQR w4 (fused Triton, torch) and GGUF Q4_K (Triton kernel, torch
+#   kernels      90  one 70B-shaped layer: SpQR w4 (fused Triton, torch) and GGUF Q4_K, Q6_K (Triton kernels, torch
 #                    decoder) against the link's time for its packed and dense bytes; its 2/3/4-bit substitutes
 #                    multiplied by 1/16/64 draft rows (fused Triton product, torch path, dense bf16 beside)
 #   syncs        85  greedy speculation with the default pair (fp32): tok/s and host syncs per step, budgets
