@@ -105,8 +105,9 @@ class Checkpoint:
 def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str], None] = lambda m: None) -> dict:
     torch.manual_seed(0)
     target = load_model(LoadOptions(config.target, device="cpu", dtype="fp32", cpu_kernel=config.cpu_kernel))
-    prompts = [target.tokenizer.encode_chat(p.messages) for path in config.prompt_files or default_prompt_files()
+    sources = [(Path(path).name, p) for path in config.prompt_files or default_prompt_files()
                for p in prompts_from_jsonl(path, is_evaluation=True)[:config.limit]]
+    prompts = [target.tokenizer.encode_chat(p.messages) for _, p in sources]
     answers = _answers(config, target, prompts, on_status)
     draft, run_one = _drafting(config, target, on_status)
     growth = [] if draft.growth_temperature == 1.0 else [f"growth temperature {draft.growth_temperature}"]
@@ -125,6 +126,7 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
             seconds += done["seconds"]
         tokens = sum(len(a) - 1 for a in answers)
         rows.append({"budget": budget, "tokens_per_pass": round(tokens / max(sum(passes), 1), 4),
+                     "tokens_per_pass_by_file": _by_file([name for name, _ in sources], answers, passes),
                      "tokens_per_pass_by_prompt": [round((len(a) - 1) / max(n, 1), 3) for a, n in zip(answers, passes)],
                      "draft_seconds": round(seconds, 1)})
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
@@ -156,6 +158,15 @@ def _drafting(config: TreeSimulationConfig, target, on_status):
                                                          SELF_DRAFT_MAX_DEPTH, draft.growth_temperature)
     draft = load_any_draft(config.draft or str(default_draft_for(config.target)), target, LoadOptions(device="cpu"))
     return draft, lambda p, a, budget: simulate(draft, p, a, budget, config.max_new_tokens)
+
+
+def _by_file(files: list[str], answers: list[list[int]], passes: list[int]) -> dict[str, float]:
+    """Tokens per pass over each prompt file's prompts (the goal set's chat prompts apart from MT-Bench's)."""
+    out = {}
+    for name in dict.fromkeys(files):
+        chosen = [i for i, file in enumerate(files) if file == name]
+        out[name] = round(sum(len(answers[i]) - 1 for i in chosen) / max(sum(passes[i] for i in chosen), 1), 4)
+    return out
 
 
 def _draft_name(config: TreeSimulationConfig, draft) -> str:

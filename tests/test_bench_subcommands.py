@@ -48,13 +48,18 @@ def test_bad_flags_are_one_error_line(capsys, argv, message):
 
 @pytest.mark.e2e
 def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(textdata.path(textdata.CHAT_PROMPTS).read_text().splitlines()[0] + "\n")
-    assert cli.main(["bench", "tree-simulation", "--prompts", str(prompts), "--max-new-tokens", "12",
-                     "--budgets", "1,8", "--json"]) == 0
+    lines = textdata.path(textdata.CHAT_PROMPTS).read_text().splitlines()
+    (tmp_path / "first.jsonl").write_text(lines[0] + "\n")
+    (tmp_path / "second.jsonl").write_text(lines[1] + "\n")
+    assert cli.main(["bench", "tree-simulation", "--prompts", str(tmp_path / "first.jsonl"),
+                     str(tmp_path / "second.jsonl"), "--max-new-tokens", "12", "--budgets", "1,8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["num_prompts"] == 1 and [row["budget"] for row in result["rows"]] == [1, 8]
+    assert result["num_prompts"] == 2 and [row["budget"] for row in result["rows"]] == [1, 8]
     assert result["rows"][0]["tokens_per_pass"] == 1.0 < result["rows"][1]["tokens_per_pass"]
+    for row in result["rows"]:          # each file's prompts apart: here one prompt each
+        assert list(row["tokens_per_pass_by_file"]) == ["first.jsonl", "second.jsonl"]
+        assert list(row["tokens_per_pass_by_file"].values()) == pytest.approx(row["tokens_per_pass_by_prompt"],
+                                                                              abs=1e-3)
     (tmp_path / "simulation.json").write_text(json.dumps(result))
     curve = load_acceptance_curve(tmp_path / "simulation.json")
     assert curve.points == [(row["budget"], row["tokens_per_pass"]) for row in result["rows"]]
