@@ -23,18 +23,6 @@ BLOCK_N, BLOCK_K = 64, 64
 
 
 @triton.jit
-def _unpack(stream, index, num_bytes, valid, BITS: tl.constexpr):
-    """Code number `index` of the stream: one byte read where no code straddles two (2 and 4 bits)."""
-    if 8 % BITS == 0:
-        bit = index * BITS
-        code = (tl.load(stream + (bit >> 3), mask=valid, other=0).to(tl.int32) >> (bit & 7).to(tl.int32)) \
-            & ((1 << BITS) - 1)
-    else:
-        code = _code(stream, index, num_bytes, valid, BITS)
-    return code
-
-
-@triton.jit
 def _matmul_kernel(x, packed, scale, offset, out, rows, num_out, num_in, code_bytes, x_stride, out_stride,
                    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -47,7 +35,7 @@ def _matmul_kernel(x, packed, scale, offset, out, rows, num_out, num_in, code_by
         a = tl.load(x + row[:, None].to(tl.int64) * x_stride + k[None, :],
                     mask=(row[:, None] < rows) & (k[None, :] < num_in), other=0.0)          # [BLOCK_M, BLOCK_K]
         valid = (col[:, None] < num_out) & (k[None, :] < num_in)                             # [BLOCK_N, BLOCK_K]
-        code = _unpack(packed, col[:, None].to(tl.int64) * num_in + k[None, :], code_bytes, valid, BITS)
+        code = _code(packed, col[:, None].to(tl.int64) * num_in + k[None, :], code_bytes, valid, BITS)
         stat = col[:, None].to(tl.int64) * groups + k[None, :] // GROUP
         s = tl.load(scale + stat, mask=valid, other=0.0).to(tl.float32)
         o = tl.load(offset + stat, mask=valid, other=0.0).to(tl.float32)

@@ -23,12 +23,17 @@ BLOCK = 1024
 
 @triton.jit
 def _code(stream, index, num_bytes, valid, BITS: tl.constexpr):
-    """The BITS-bit code number `index` of a little-endian bit stream (two bytes hold any code <= 8 bits)."""
+    """The BITS-bit code number `index` of a little-endian bit stream (two bytes hold any code <= 8 bits; one where
+    no code straddles two: 1, 2, 4 and 8 bits)."""
     bit = index * BITS
     byte = bit >> 3
     low = tl.load(stream + byte, mask=valid, other=0).to(tl.int32)
-    high = tl.load(stream + byte + 1, mask=valid & (byte + 1 < num_bytes), other=0).to(tl.int32)
-    return ((low | (high << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    if 8 % BITS == 0:
+        code = (low >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    else:
+        high = tl.load(stream + byte + 1, mask=valid & (byte + 1 < num_bytes), other=0).to(tl.int32)
+        code = ((low | (high << 8)) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    return code
 
 
 @triton.jit
