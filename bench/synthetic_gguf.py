@@ -1,8 +1,9 @@
 """A multi-GB GGUF for `bench stream --synthetic-gguf` and bench/shapes_bench.py: the default model's
 architecture and tokenizer with its hidden and intermediate sizes (and head counts, head size kept) scaled
 up, or a named model's exact shape (NAMED_SHAPES: Llama-3.2-1B's, Llama-3.1-8B's), every tensor random
-VALID blocks of one type (gguf_blocks.random_blocks), written one tensor at a time (RAM holds one
-tensor, not the file). Made once, cached under $SPECSTREAM_CACHE/bench_gguf/."""
+VALID blocks (gguf_blocks.random_blocks) of one type, or of llama.cpp's Q4_K_M mix (Q4_K, with attn_v and
+ffn_down Q6_K in the layers offload/weights/sizes.use_more_bits names: the usual download), written one
+tensor at a time (RAM holds one tensor, not the file). Made once, cached under $SPECSTREAM_CACHE/bench_gguf/."""
 from __future__ import annotations
 
 import os
@@ -18,8 +19,11 @@ from offload.weights.gguf_blocks import packed_nbytes, random_blocks
 from offload.weights.gguf_import import cache_root
 from offload.weights.gguf_names import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from offload.weights.resolve import default_model_gguf
+from offload.weights.sizes import use_more_bits
 
-SYNTHETIC_TYPES = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q8_0": T.Q8_0}
+# file type -> its matrices' type; a mix raises some layers' tensors (MORE_BITS) as llama.cpp does
+SYNTHETIC_TYPES = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q8_0": T.Q8_0, "q4_k_m": T.Q4_K}
+MORE_BITS = {"q4_k_m": (T.Q6_K, ("attn_v.weight", "ffn_down.weight"))}
 ARCH = "llama"
 # metadata the shapes below replace; everything else (tokenizer, rope, eps) is the default model's
 _REPLACED = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type",
@@ -62,50 +66,60 @@ NAMED_SHAPES = {"1b": SyntheticShape(2048, 8192, 32, 8, 16),      # Llama-3.2-1B
                 "8b": SyntheticShape(4096, 14336, 32, 8, 32)}     # Llama-3.1-8B: head size 128
 
 
-def _type_of(name: str, shape: tuple[int, ...], qtype: T) -> T:
+def _type_of(name: str, shape: tuple[int, ...], file_type: str, num_layers: int) -> T:
     """Norms stay F32, as in llama.cpp's files; the embedding (decoded once, never streamed) is Q4_0 to
     keep the file's non-layer bytes small."""
     if len(shape) == 1:
         return T.F32
-    return T.Q4_0 if name == GGUF_GLOBAL_NAMES["embed"] else qtype
+    if name == GGUF_GLOBAL_NAMES["embed"]:
+        return T.Q4_0
+    raised, names = MORE_BITS.get(file_type, (None, ()))
+    parts = name.split(".", 2)                      # blk, index, tensor name
+    if parts[0] == "blk" and parts[2] in names and use_more_bits(int(parts[1]), num_layers):
+        return raised
+    return SYNTHETIC_TYPES[file_type]
 
 
-def layer_bytes(shape: SyntheticShape, qtype: T) -> int:
-    return sum(packed_nbytes(_type_of(n, s, qtype), s) for n, s in shape.layer_shapes().items())
+def layers_bytes(shape: SyntheticShape, file_type: str) -> int:
+    """The file's decoder layers' bytes, all layers."""
+    return sum(packed_nbytes(_type_of(f"blk.{i}.{n}", s, file_type, shape.num_layers), s)
+               for i in range(shape.num_layers) for n, s in shape.layer_shapes().items())
 
 
-def scaled_shape(qtype: T, scale: int, size_gb: float) -> SyntheticShape:
+def scaled_shape(file_type: str, scale: int, size_gb: float) -> SyntheticShape:
     """The default model's shapes with hidden/intermediate/heads times `scale`; as many layers (at most the
     default's) as make the file's decoder layers about `size_gb` GB."""
     reader = GGUFReader(default_model_gguf())
     base = {key: int(reader.get_field(f"{ARCH}.{key}").contents()) for key in
             ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
              "block_count")}
-    one = SyntheticShape(base["embedding_length"] * scale, base["feed_forward_length"] * scale,
-                         base["attention.head_count"] * scale, base["attention.head_count_kv"] * scale, 1)
+    full = SyntheticShape(base["embedding_length"] * scale, base["feed_forward_length"] * scale,
+                          base["attention.head_count"] * scale, base["attention.head_count_kv"] * scale,
+                          base["block_count"])
     try:
-        per_layer = layer_bytes(one, qtype)
+        per_layer = layers_bytes(full, file_type) / full.num_layers
     except ValueError as err:
         raise ValueError(f"--scale {scale}: {err} (K-quants need hidden sizes in multiples of 256: scale 4, 8, 12...)") \
             from None
-    one.num_layers = max(1, min(base["block_count"], round(size_gb * 1e9 / per_layer)))
-    return one
+    full.num_layers = max(1, min(base["block_count"], round(size_gb * 1e9 / per_layer)))
+    return full
 
 
-def synthetic_gguf(qtype: T, shape: SyntheticShape, on_status: Callable[[str], None] = lambda m: None,
+def synthetic_gguf(file_type: str, shape: SyntheticShape, on_status: Callable[[str], None] = lambda m: None,
                    folder: Path | None = None) -> Path:
-    """The cached file for (qtype, shape), written on first use."""
+    """The cached file for (file type, shape), written on first use."""
+    _check_type(file_type)
     folder = folder or cache_root() / "bench_gguf"
-    name = (f"synthetic-{qtype.name.lower()}-h{shape.hidden_size}-i{shape.intermediate_size}-"
+    name = (f"synthetic-{file_type}-h{shape.hidden_size}-i{shape.intermediate_size}-"
             f"a{shape.num_heads}x{shape.num_kv_heads}-l{shape.num_layers}.gguf")
     path = folder / name
     if path.is_file():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    on_status(f"writing {name} ({shape.num_layers * layer_bytes(shape, qtype) / 1e9:.2f} GB of layers, once)")
+    on_status(f"writing {name} ({layers_bytes(shape, file_type) / 1e9:.2f} GB of layers, once)")
     tmp = path.with_name(name + ".partial")
     try:
-        _write(tmp, qtype, shape)
+        _write(tmp, file_type, shape)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -120,7 +134,7 @@ def _tensor_shapes(shape: SyntheticShape, vocab: int) -> dict[str, tuple[int, ..
     return shapes
 
 
-def _write(path: Path, qtype: T, shape: SyntheticShape) -> None:
+def _write(path: Path, file_type: str, shape: SyntheticShape) -> None:
     reader = GGUFReader(default_model_gguf())
     vocab = len(reader.get_field("tokenizer.ggml.tokens").contents())
     writer = GGUFWriter(path, ARCH)
@@ -136,39 +150,39 @@ def _write(path: Path, qtype: T, shape: SyntheticShape) -> None:
     writer.add_rope_dimension_count(shape.head_dim)
     shapes = _tensor_shapes(shape, vocab)
     for name, s in shapes.items():
-        tensor_type = _type_of(name, s, qtype)
+        tensor_type = _type_of(name, s, file_type, shape.num_layers)
         writer.add_tensor_info(name, s, np.dtype(np.float32), packed_nbytes(tensor_type, s), raw_dtype=tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     generator = np.random.default_rng(0)
     for name, s in shapes.items():
-        writer.write_tensor_data(_tensor_data(name, s, qtype, generator))
+        writer.write_tensor_data(_tensor_data(name, s, file_type, shape.num_layers, generator))
     writer.close()
 
 
-def _qtype(type_name: str) -> T:
+def _check_type(type_name: str) -> None:
     if type_name not in SYNTHETIC_TYPES:
         raise ValueError(f"synthetic GGUF type {type_name!r}: choose one of {', '.join(SYNTHETIC_TYPES)}")
-    return SYNTHETIC_TYPES[type_name]
 
 
-def _tensor_data(name: str, shape: tuple[int, ...], qtype: T, generator: np.random.Generator) -> np.ndarray:
+def _tensor_data(name: str, shape: tuple[int, ...], file_type: str, num_layers: int,
+                 generator: np.random.Generator) -> np.ndarray:
     """Norms are ones (an initialized model's): the logits then spread as a trained model's do, so the packed
     output product's exact recount near the top logit (packed_linear.Int4Head) takes a few rows, not thousands."""
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32)
-    return random_blocks(_type_of(name, shape, qtype), shape, generator)
+    return random_blocks(_type_of(name, shape, file_type, num_layers), shape, generator)
 
 
 def synthetic_target(type_name: str, scale: int, size_gb: float,
                      on_status: Callable[[str], None] = lambda m: None) -> tuple[Path, dict]:
     """`bench stream --synthetic-gguf`: the cached file and what to say about it in the JSON."""
-    qtype = _qtype(type_name)
+    _check_type(type_name)
     if scale < 1 or size_gb <= 0:
         raise ValueError(f"--scale must be >= 1 and --size-gb > 0, got {scale} and {size_gb}")
-    shape = scaled_shape(qtype, scale, size_gb)
-    path = synthetic_gguf(qtype, shape, on_status)
+    shape = scaled_shape(type_name, scale, size_gb)
+    path = synthetic_gguf(type_name, shape, on_status)
     return path, {"type": type_name, "scale": scale, **_described(path, shape)}
 
 
@@ -178,7 +192,7 @@ def named_target(shape_name: str, type_name: str, on_status: Callable[[str], Non
     if shape_name not in NAMED_SHAPES:
         raise ValueError(f"synthetic shape {shape_name!r}: choose one of {', '.join(NAMED_SHAPES)}")
     shape = NAMED_SHAPES[shape_name]
-    path = synthetic_gguf(_qtype(type_name), shape, on_status, folder)
+    path = synthetic_gguf(type_name, shape, on_status, folder)
     return path, {"type": type_name, "shape": shape_name, **_described(path, shape)}
 
 

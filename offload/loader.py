@@ -145,7 +145,7 @@ def _request_for(options: LoadOptions) -> PlanRequest:
     except PlanError:
         return request          # the caller's plan says why
     if cached:                  # planned in the cache's layout, as build_engine loads it
-        request = _plan_request(options, source, kernel_cache.kernel_layout(source, dtype, cache_root()), global_bytes,
+        request = _plan_request(options, source, kernel_cache.kernel_layout(source), global_bytes,
                                 device, dtype)
     return request
 
@@ -198,7 +198,7 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
     layout = source.layout(dtype)
     plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
     if _streams_from_kernel_cache(source, options, device, plan):
-        cached = kernel_cache.open_kernel_cache(source, dtype, cache_root(), on_status)
+        cached = kernel_cache.open_kernel_cache(source, cache_root(), on_status)
         if cached is not None:   # streamed layers read as the kernel multiplies them: planned in that layout
             source, layout = cached, cached.layout(dtype)
             plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.start_bench import run_start_bench
 from bench.stream_bench import run_stream_bench
-from bench.synthetic_gguf import SYNTHETIC_TYPES, SyntheticShape, layer_bytes, synthetic_gguf
+from bench.synthetic_gguf import SyntheticShape, layers_bytes, synthetic_gguf
 from offload.weights.gguf_header import read_header
 
 TINY = SyntheticShape(hidden_size=64, intermediate_size=128, num_heads=1, num_kv_heads=1, num_layers=6)
@@ -12,12 +12,11 @@ TINY = SyntheticShape(hidden_size=64, intermediate_size=128, num_heads=1, num_kv
 
 def test_synthetic_gguf_streams_its_layer_bytes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
-    qtype = SYNTHETIC_TYPES["q8_0"]
-    path = synthetic_gguf(qtype, TINY, folder=tmp_path)
+    path = synthetic_gguf("q8_0", TINY, folder=tmp_path)
     assert path.stat().st_size < 5 * 2**20
     header = read_header(path)
     file_layer_bytes = sum(t.num_bytes for name, t in header.tensors.items() if name.startswith("blk."))
-    assert file_layer_bytes == TINY.num_layers * layer_bytes(TINY, qtype)
+    assert file_layer_bytes == layers_bytes(TINY, "q8_0")
 
     result = run_stream_bench(str(path), None, "ram", [1], device="cpu", dtype="fp32", repeats=1)
 
@@ -25,7 +24,7 @@ def test_synthetic_gguf_streams_its_layer_bytes(tmp_path, monkeypatch):
     assert result["file_layer_bytes"] == file_layer_bytes
     assert result["passes"][0]["bytes_streamed"] == file_layer_bytes
     assert result["passes"][0]["decode_seconds"] > 0
-    assert synthetic_gguf(qtype, TINY, folder=tmp_path) == path     # cached: written once
+    assert synthetic_gguf("q8_0", TINY, folder=tmp_path) == path     # cached: written once
 
     # `bench quant-disk --gguf`'s start figures, on the same file: in place and import, each loaded and answered
     start = run_start_bench(str(path), rounds=1)

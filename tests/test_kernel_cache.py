@@ -1,6 +1,7 @@
 """A GGUF's streamed layers on the CPU's int4 kernel read from the kernel layer cache (offload/weights/kernel_cache.py):
 the same bits as resident layers repacked at load, nothing repacked per pass, the file keyed by the CPU's dispatch,
-a damaged file made again, a GGUF whose layers differ in the kernel's layout left to the per-pass repack."""
+a damaged file made again; layers that differ in type (a Q4_K_M file's Q6_K in some layers) stored as variants,
+the types the kernel takes not kept as raw blocks and decoded as the GGUF's own."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -47,15 +48,26 @@ def _streamed(path, statuses=None, ram: int | None = 1):
     return load_model(options, statuses.append if statuses is not None else None), options
 
 
+def _mixes(tmp_path) -> dict:
+    """GGUFs of uniform layers, of layers alternating Q4_K and Q8_0 (Q8_0 doubles the codes), and the tiny
+    default's mix (Q6_K matrices the kernel takes not among Q4_K and Q8_0) -> their number of variants."""
+    return {_uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS): 1,
+            _uniform(tmp_path / "alternating.gguf", [Q.Q4_K, Q.Q8_0] * (LAYERS // 2)): 2,
+            write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS): None}
+
+
 @pytest.mark.parametrize("tier", ["disk", "ram"])
-def test_streamed_layers_read_the_cache_with_the_bits_of_resident_ones(tmp_path, cache, monkeypatch, tier):
-    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+@pytest.mark.parametrize("mix", [0, 1, 2])
+def test_streamed_layers_read_the_cache_with_the_bits_of_resident_ones(tmp_path, cache, monkeypatch, tier, mix):
+    path, num_variants = list(_mixes(tmp_path).items())[mix]
     resident = load_model(_options(path))
     statuses = []
     streamed, options = _streamed(path, statuses, ram=1 if tier == "disk" else None)
     assert streamed.plan.tier_of.count(tier) >= LAYERS - 2, streamed.plan.tier_of
     assert isinstance(streamed.source, kernel_cache.KernelCachedSource)
     assert any(line.startswith("GGUF layers stored in this CPU's int4 kernel layout") for line in statuses)
+    found = kernel_cache.variants(streamed.source.gguf)[0]
+    assert len(found) == num_variants if num_variants else len(found) > 1
     assert streamed.plan.request.layer_bytes == streamed.source.layout(torch.float32).num_bytes
     assert plan_for(options).request.layer_bytes == streamed.plan.request.layer_bytes     # planned as loaded
     repacks = []
@@ -73,12 +85,27 @@ def test_streamed_layers_read_the_cache_with_the_bits_of_resident_ones(tmp_path,
     reopened.layers.close()
 
 
-def test_a_damaged_cache_is_made_again(tmp_path, cache):
-    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+def _stored_cache(path):
+    """The kernel cache file a streamed load of `path` makes (the load closed)."""
     first, _ = _streamed(path)
-    stored = first.source.path
     first.layers.close()
     first.source.close()
+    return first.source.path
+
+
+def test_a_cache_of_another_gguf_of_the_same_name_is_refused(tmp_path, cache):
+    """A cache whose variants are not the GGUF's (the file replaced, its key forged) fails its check."""
+    stored = _stored_cache(_uniform(tmp_path / "m.gguf", [Q.Q4_K] * LAYERS))
+    (tmp_path / "other").mkdir()
+    other = _uniform(tmp_path / "other" / "m.gguf", [Q.Q4_K, Q.Q8_0] * (LAYERS // 2))
+    folder = resolve_model(str(other))
+    with pytest.raises(kernel_cache.CorruptCheckpointError, match="not this GGUF's"):
+        kernel_cache.KernelCachedSource(open_source(folder, ModelConfig.from_file(folder)), stored)
+
+
+def test_a_damaged_cache_is_made_again(tmp_path, cache):
+    path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
+    stored = _stored_cache(path)
     stored.write_bytes(stored.read_bytes()[:1000])              # truncated
     statuses = []
     second, _ = _streamed(path, statuses)
@@ -87,31 +114,21 @@ def test_a_damaged_cache_is_made_again(tmp_path, cache):
     second.layers.close()
 
 
-def test_layers_that_differ_in_the_kernels_layout_keep_the_repack(tmp_path, cache):
-    path = _uniform(tmp_path / "mixed.gguf", [Q.Q4_K, Q.Q8_0] * (LAYERS // 2))      # Q8_0 doubles the codes
-    statuses = []
-    streamed, _ = _streamed(path, statuses)
-    assert not isinstance(streamed.source, kernel_cache.KernelCachedSource)
-    assert any("repack per pass" in line and "differs from layer 0" in line for line in statuses)
-    streamed.layers.close()
-
-
-def test_a_gguf_the_kernel_cannot_wholly_take_is_not_cached(tmp_path, cache):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS)    # Q6_K matrices among Q4_K and Q8_0
+def test_a_gguf_without_a_matrix_the_kernel_takes_is_not_cached(tmp_path, cache):
+    path = _uniform(tmp_path / "q6k.gguf", [Q.Q6_K] * LAYERS)
     streamed, _ = _streamed(path)
     assert not kernel_cache.serves(streamed.source) and not isinstance(streamed.source, kernel_cache.KernelCachedSource)
     streamed.layers.close()
 
 
-def test_the_cache_is_keyed_by_the_cpus_dispatch_and_the_dtype(tmp_path, cache, monkeypatch):
+def test_the_cache_is_keyed_by_the_cpus_dispatch(tmp_path, cache, monkeypatch):
     path = _uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS)
     folder = resolve_model(str(path))
     source = open_source(folder, ModelConfig.from_file(folder))
-    here = kernel_cache.kernel_cache_path(source, torch.float32, cache)
-    assert here != kernel_cache.kernel_cache_path(source, torch.bfloat16, cache)
+    here = kernel_cache.kernel_cache_path(source, cache)
     other = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
-    assert kernel_cache.kernel_cache_path(source, torch.float32, cache) != here
+    assert kernel_cache.kernel_cache_path(source, cache) != here
 
 
 def test_a_disk_without_room_keeps_the_repack_and_says_why(tmp_path, cache, monkeypatch):
@@ -126,16 +143,21 @@ def test_a_disk_without_room_keeps_the_repack_and_says_why(tmp_path, cache, monk
     streamed.layers.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
-def test_the_layout_from_shapes_is_the_repacked_layers(tmp_path, cache, qtype):
-    """kernel_layout without a cache file reads layer 0's shapes (nothing repacked): the layout it gives is the
-    one layer 0 repacked lands in (fused q/k/v and gate/up, Q8_0's doubled width, the decoded norms)."""
-    folder = resolve_model(str(_uniform(tmp_path / "m.gguf", [qtype] * LAYERS)))
+@pytest.mark.parametrize("qtype, num_variants", [(Q.Q4_0, 1), (Q.Q8_0, 2), (Q.Q6_K, 2)], ids=["q4_0", "q8_0", "q6_k"])
+def test_the_variants_from_shapes_are_the_repacked_layers(tmp_path, cache, qtype, num_variants):
+    """A layer's variant is read from its tensors' types and shapes (nothing repacked): its layout is where the
+    repacked layer lands (fused q/k/v and gate/up, Q8_0's doubled width, the raw blocks of the rest), and the
+    streaming layout is the largest variant. Q4_0 and Q4_K layers share one (the kernel's layout is the same)."""
+    types = [Q.Q4_K, qtype] * (LAYERS // 2)
+    folder = resolve_model(str(_uniform(tmp_path / "m.gguf", types)))
     source = open_source(folder, ModelConfig.from_file(folder))
-    repacked = kernel_cache._flat(source.kernel_layer(0, None, torch.float32))
-    meta = kernel_cache._flat(source.kernel_layer_meta(torch.float32))
-    assert meta[1] == repacked[1] and "qkv" in meta[1]
-    assert [(n, t.dtype, t.shape) for n, t in meta[0].items()] == \
-        [(n, t.dtype, t.shape) for n, t in repacked[0].items()]
-    assert kernel_cache.kernel_layout(source, torch.float32, cache) == \
-        kernel_cache.LayerLayout.from_tensors(repacked[0], None)
+    found, of_layer = kernel_cache.variants(source)
+    assert of_layer == [0, num_variants - 1] * (LAYERS // 2) and len(found) == num_variants
+    for index in (0, 1):
+        raw = source.layer(index)
+        weights = source.kernel_weights(index, raw)
+        tensors = kernel_cache._flat(weights, {name: raw[name] for name in found[of_layer[index]].blocks})
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()] == \
+            [(s.name, s.dtype, s.shape) for s in found[of_layer[index]].layout.slots]
+        assert ("qkv" in weights) == (types[index] != Q.Q6_K)
+    assert kernel_cache.kernel_layout(source).num_bytes >= max(v.layout.num_bytes for v in found)

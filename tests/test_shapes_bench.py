@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from bench.shapes_cost import markdown_table, token_bytes, verdict
-from bench.synthetic_gguf import NAMED_SHAPES, SYNTHETIC_TYPES, SyntheticShape, layer_bytes, synthetic_gguf
+from bench.synthetic_gguf import NAMED_SHAPES, SyntheticShape, layers_bytes, synthetic_gguf
+from offload.weights.sizes import use_more_bits
 from offload.weights.gguf_header import read_header
 from offload.weights.gguf_model import check_model_metadata
 from offload.weights.packed_linear import kernel_bytes
@@ -17,14 +18,25 @@ def test_named_shapes_are_llama_1b_and_8b():
     assert (one.head_dim, one.num_layers) == (64, 16) and (eight.head_dim, eight.num_layers) == (128, 32)
     assert one.layer_shapes()["attn_k.weight"] == (512, 2048)
     assert eight.layer_shapes()["ffn_down.weight"] == (4096, 14336)
-    q4_0 = eight.num_layers * layer_bytes(eight, SYNTHETIC_TYPES["q4_0"])
+    q4_0 = layers_bytes(eight, "q4_0")
     assert 3.9e9 < q4_0 < 4.0e9                     # 6.98B decoder parameters at 4.5 bits
+    assert 1.05 * q4_0 < layers_bytes(eight, "q4_k_m") < 1.25 * q4_0     # Q6_K attn_v and ffn_down in some layers
+
+
+def test_q4_k_m_raises_attn_v_and_ffn_down_where_llama_cpp_does(tmp_path):
+    shape = SyntheticShape(hidden_size=256, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=8)
+    header = read_header(synthetic_gguf("q4_k_m", shape, folder=tmp_path))
+    for index in range(shape.num_layers):
+        raised = "Q6_K" if use_more_bits(index, shape.num_layers) else "Q4_K"
+        assert [header.tensors[f"blk.{index}.{name}.weight"].type_name for name in ("attn_v", "ffn_down", "attn_q")] \
+            == [raised, raised, "Q4_K"]
+    assert layers_bytes(shape, "q4_k_m") == sum(t.num_bytes for n, t in header.tensors.items() if n.startswith("blk."))
 
 
 @pytest.mark.parametrize("type_name", ["q4_0", "q4_1"])
 def test_tiny_synthetic_file_reads_and_counts_its_bytes(tmp_path, type_name):
     shape = SyntheticShape(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, num_layers=2)
-    path = synthetic_gguf(SYNTHETIC_TYPES[type_name], shape, folder=tmp_path)
+    path = synthetic_gguf(type_name, shape, folder=tmp_path)
     header = read_header(path)
     assert check_model_metadata(header) == "llama"
     assert header.metadata["llama.rope.dimension_count"] == 32           # the shape's head size, not the default's

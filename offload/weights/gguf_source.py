@@ -192,31 +192,48 @@ class GgufSource:
         return sum(info.num_bytes for layer in self._layers for info in layer.values())
 
     # the CPU's int4 kernel (packed_linear) -------------------------------------------------------------
+    def kernel_split(self, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Layer `index`'s tensor names: (the matrices the int4 kernel takes, the rest: decoded before use)."""
+        infos = self._layers[index]
+        kernel = tuple(name for name, info in infos.items() if packed_linear.takes(info.qtype, info.shape))
+        return kernel, tuple(name for name in infos if name not in kernel)
+
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
                      shared: bool = False) -> dict:
         """A layer for the CPU: the matrices the int4 kernel takes repacked from their blocks (Int4Weight, made
         anew: no dense copy), the rest decoded as decode_layer does. stored None: read from the file, the rest
         decoded into fresh tensors (a resident layer)."""
-        infos = self._layers[index]
-        kernel = tuple(name for name, info in infos.items() if packed_linear.takes(info.qtype, info.shape))
-        rest = tuple(name for name in infos if name not in kernel)
+        kernel, rest = self.kernel_split(index)
         if stored is None:
-            stored, out = self.layer(index), self._empty_layer(torch.device("cpu"), dtype, rest)
+            stored = self.layer(index)
+            layer = self._decode(index, stored, self._empty_layer(torch.device("cpu"), dtype, rest))
         else:
-            out = self._workspace(stored, dtype, shared, rest)
-        layer = self._decode(index, stored, out)
-        matrices = {name: (self._rows(name, infos[name], stored[name]), infos[name].qtype, infos[name].shape)
-                    for name in kernel}
-        return {**layer, **packed_linear.from_gguf_layer(matrices)}
+            layer = self.decode_blocks(index, {name: stored[name] for name in rest}, dtype, shared)
+        return {**layer, **self.kernel_weights(index, stored)}
 
-    def kernel_layer_meta(self, dtype: torch.dtype) -> dict:
-        """Layer 0's kernel_layer on the "meta" device: its tensors' names, shapes and dtypes, nothing repacked."""
-        infos = self._layers[0]
-        kernel = {name: (info.qtype, info.shape) for name, info in infos.items()
-                  if packed_linear.takes(info.qtype, info.shape)}
-        rest = {name: torch.empty(info.shape, dtype=dtype, device="meta") for name, info in infos.items()
-                if name not in kernel}
-        return {**rest, **packed_linear.empty_layer(kernel, "meta")}
+    def kernel_weights(self, index: int, stored: dict[str, Tensor]) -> dict[str, packed_linear.Int4Weight]:
+        """Layer `index`'s kernel matrices repacked from their raw blocks in `stored` (q/k/v, gate/up fused)."""
+        infos = self._layers[index]
+        return packed_linear.from_gguf_layer({name: (self._rows(name, infos[name], stored[name]), infos[name].qtype,
+                                                     infos[name].shape) for name in self.kernel_split(index)[0]})
+
+    def decode_blocks(self, index: int, blocks: dict[str, Tensor], dtype: torch.dtype,
+                      shared: bool = False) -> dict[str, Tensor]:
+        """Some of layer `index`'s tensors decoded from their raw blocks into a workspace (decode_layer's)."""
+        if not blocks:
+            return {}
+        return self._decode(index, blocks, self._workspace(blocks, dtype, shared, tuple(blocks)))
+
+    def kernel_layer_meta(self, dtype: torch.dtype, index: int = 0) -> dict:
+        """Layer `index`'s kernel_layer on the "meta" device: its tensors' names, shapes and dtypes, nothing
+        repacked."""
+        infos, (kernel, rest) = self._layers[index], self.kernel_split(index)
+        return {**{name: torch.empty(infos[name].shape, dtype=dtype, device="meta") for name in rest},
+                **packed_linear.empty_layer({name: (infos[name].qtype, infos[name].shape) for name in kernel}, "meta")}
+
+    def block_bytes(self, index: int, name: str) -> int:
+        """Bytes of layer `index`'s tensor `name` as stored in the file."""
+        return self._layers[index][name].num_bytes
 
     def kernel_head(self) -> packed_linear.Int4Head | None:
         """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""

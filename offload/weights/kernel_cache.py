@@ -3,19 +3,21 @@ as it lies: no repack per pass (offload/weights/packed_linear.py: the repack too
 4.1 ms from a cold disk, quant_disk_gguf_6.json).
 
 The layout of the packed codes is the running CPU's dispatch (AVX512, AVX2) and torch's, so the file is keyed by
-both, with the GGUF's name, size and modification time and the compute dtype; a file that fails its checks is made
-again. Each layer is one uint8 tensor `layer.N` of the layout's bytes (codes, scales and zeros of every matrix
-at the layout's places, norms in the compute dtype), so a layer streams as one contiguous read. Made on the first
-start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a weight for Q4_0/Q4_1/
-Q4_K, 1.25 for Q8_0). Only a GGUF whose every decoder matrix the kernel takes is served (a Q4_K_M file's Q6_K
-matrices keep the per-pass repack and decode)."""
+both, with the GGUF's name, size and modification time; a file that fails its checks is made again. Each layer is
+one uint8 tensor `layer.N`: the codes and scales of every matrix the kernel takes (q/k/v and gate/up fused as
+packed_linear fuses them), then every other tensor's raw GGUF blocks (norms; a Q4_K_M file's Q6_K attn_v and
+ffn_down), decoded before use as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K in some
+layers only) have different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot
+as large as the largest variant, so any ring slot holds any layer and a layer streams as one contiguous read.
+Made on the first start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a
+weight for Q4_0/Q4_1/Q4_K, 1.25 for Q8_0, the file's size for the rest)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
 import time
-from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,66 +25,102 @@ from torch import Tensor
 
 from offload.weights import packed_linear
 from offload.weights.gguf_source import GgufSource
-from offload.weights.packing import LayerLayout
+from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, SafetensorsStreamWriter, TensorEntry
 
-CACHE_FORMAT, CACHE_VERSION = "specstream-kernel-layers", 1
+CACHE_FORMAT, CACHE_VERSION = "specstream-kernel-layers", 2
+BLOB = "layer"      # the one slot streaming sees
 
 
-def kernel_cache_path(gguf, dtype: torch.dtype, root: Path) -> Path:
-    """The cache file of `gguf`'s layers in this CPU's layout for compute in `dtype`."""
+@dataclass(slots=True, frozen=True)
+class Variant:
+    """One inner layout of a cached layer: where each tensor lies in its bytes, and what each is."""
+    layout: LayerLayout
+    weights: tuple[tuple[str, int, int, int], ...]     # (name, N, K, repeat): Int4Weight parts "name.codes/.scale_zeros"
+    blocks: tuple[str, ...]                            # tensors kept as raw GGUF blocks (uint8 slots)
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.as_dict(), "weights": [list(w) for w in self.weights], "blocks": list(self.blocks)}
+
+
+def kernel_cache_path(gguf, root: Path) -> Path:
+    """The cache file of `gguf`'s layers in this CPU's layout."""
     stat = gguf.path.stat()
     key = json.dumps([gguf.path.name, stat.st_size, stat.st_mtime_ns, torch.backends.cpu.get_cpu_capability(),
-                      torch.__version__, str(dtype), CACHE_VERSION])
+                      torch.__version__, CACHE_VERSION])
     return root / "kernel_layers" / f"{gguf.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
 
 
 def serves(gguf) -> bool:
-    """Whether `gguf` is a GGUF whose every decoder matrix multiplies on the kernel (one layout fits every layer)."""
-    return isinstance(gguf, GgufSource) and all(packed_linear.takes(info.qtype, info.shape)
-                                                for layer in gguf._layers for info in layer.values()
-                                                if len(info.shape) == 2)
+    """Whether `gguf` is a GGUF with a decoder matrix the kernel takes (else there is nothing to store)."""
+    return isinstance(gguf, GgufSource) and any(gguf.kernel_split(i)[0] for i in range(gguf.config.num_layers))
 
 
-def _flat(layer: dict) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
-    """A kernel layer (Int4Weights and tensors) -> named tensors, and each weight's [N, K, repeat]."""
-    tensors, weights = {}, {}
-    for name, value in layer.items():
-        if isinstance(value, packed_linear.Int4Weight):
-            tensors[f"{name}.codes"], tensors[f"{name}.scale_zeros"] = value.codes, value.scale_zeros
-            weights[name] = [*value.shape, value.repeat]
-        else:
-            tensors[name] = value
-    return tensors, weights
+def _flat(weights: dict, blocks: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A layer's Int4Weights and raw blocks -> the named tensors a variant's layout places."""
+    tensors = {}
+    for name, weight in weights.items():
+        tensors[f"{name}.codes"], tensors[f"{name}.scale_zeros"] = weight.codes, weight.scale_zeros
+    return {**tensors, **blocks}
 
 
-def build_kernel_cache(gguf, dtype: torch.dtype, path: Path, on_status=None) -> None:
+def _variant_of(gguf, index: int) -> Variant:
+    """Layer `index`'s variant, from its tensors' types and shapes (nothing repacked)."""
+    kernel, rest = gguf.kernel_split(index)
+    meta = gguf.kernel_layer_meta(torch.float32, index)
+    weights = {name: value for name, value in meta.items() if isinstance(value, packed_linear.Int4Weight)}
+    blocks = {name: torch.empty(gguf.block_bytes(index, name), dtype=torch.uint8, device="meta") for name in rest}
+    return Variant(LayerLayout.from_tensors(_flat(weights, blocks), None),
+                   tuple((name, *w.shape, w.repeat) for name, w in weights.items()), rest)
+
+
+def variants(gguf) -> tuple[list[Variant], list[int]]:
+    """The distinct variants of `gguf`'s layers, and each layer's index among them."""
+    found, of_layer = [], []
+    for index in range(gguf.config.num_layers):
+        variant = _variant_of(gguf, index)
+        if variant not in found:
+            found.append(variant)
+        of_layer.append(found.index(variant))
+    return found, of_layer
+
+
+def kernel_layout(gguf) -> LayerLayout:
+    """The layout streaming sees: one uint8 slot as large as the largest variant."""
+    size = max(variant.layout.num_bytes for variant in variants(gguf)[0])
+    return LayerLayout((TensorSlot(BLOB, torch.uint8, (size,), 0),), -(-size // ALIGNMENT) * ALIGNMENT)
+
+
+def build_kernel_cache(gguf, path: Path, on_status=None) -> None:
     """Repacks every layer once and writes them (atomically: a temporary file renamed into place)."""
     started = time.perf_counter()
-    first, weights = _flat(gguf.kernel_layer(0, None, dtype))
-    layout = LayerLayout.from_tensors(first, None)
-    metadata = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION), "layout": json.dumps(layout.as_dict()),
-                "weights": json.dumps(weights)}
-    specs = {f"layer.{i}": (torch.uint8, (layout.num_bytes,)) for i in range(gguf.config.num_layers)}
+    found, of_layer = variants(gguf)
+    metadata = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION),
+                "variants": json.dumps([v.as_dict() for v in found]), "layer_variants": json.dumps(of_layer)}
+    specs = {f"layer.{i}": (torch.uint8, (found[v].layout.num_bytes,)) for i, v in enumerate(of_layer)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8)
+    buffer = torch.zeros(max(v.layout.num_bytes for v in found), dtype=torch.uint8)
     with SafetensorsStreamWriter(path, specs, metadata) as writer:
-        for index in range(gguf.config.num_layers):
-            tensors, these = _flat(gguf.kernel_layer(index, None, dtype)) if index else (first, weights)
-            if these != weights or {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()} != \
-                    {s.name: (s.dtype, s.shape) for s in layout.slots}:
-                raise ValueError(f"layer {index} differs from layer 0 in the kernel's layout")
-            layout.pack_into(buffer, tensors)
-            writer.append(buffer)
+        for index, number in enumerate(of_layer):
+            layout = found[number].layout
+            raw = gguf.layer(index)
+            tensors = _flat(gguf.kernel_weights(index, raw), {name: raw[name] for name in found[number].blocks})
+            if [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()] != \
+                    [(s.name, s.dtype, s.shape) for s in layout.slots]:
+                raise ValueError(f"layer {index} repacked does not match its layout")
+            layout.pack_into(buffer[:layout.num_bytes], tensors)
+            writer.append(buffer[:layout.num_bytes])
     if on_status:
+        mixed = f" ({len(found)} layer variants; raw blocks of the types the kernel takes not)" if len(found) > 1 else ""
         on_status(f"GGUF layers stored in this CPU's int4 kernel layout once ({path.stat().st_size / 2**20:.0f} MiB "
-                  f"in {time.perf_counter() - started:.1f} s, model cache): streamed layers skip the repack")
+                  f"in {time.perf_counter() - started:.1f} s, model cache{mixed}): streamed layers skip the repack")
 
 
-def _check_room(gguf, dtype: torch.dtype, path: Path) -> None:
+def _check_room(gguf, path: Path) -> None:
     """Refuses (OSError) a file the disk would hold with less than a tenth of its size to spare."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    needed = gguf.config.num_layers * gguf.kernel_layer_bytes(dtype)
+    found, of_layer = variants(gguf)
+    needed = sum(found[v].layout.num_bytes for v in of_layer)
     free = shutil.disk_usage(path.parent).free
     if free < needed * 1.1:
         raise OSError(f"{needed / 2**30:.1f} GiB needed in {path.parent}, {free / 2**30:.1f} GiB free")
@@ -96,29 +134,26 @@ class KernelCachedSource:
     def __init__(self, gguf, path: Path) -> None:
         self.gguf, self.config, self.path = gguf, gguf.config, Path(path)
         self._file = SafetensorsFile(self.path)
-        self._layout, self._weights = self._check()
+        self._variants, self._of_layer = self._check()
+        self._layout = kernel_layout(gguf)
 
-    def _check(self) -> tuple[LayerLayout, dict[str, tuple[int, int, int]]]:
+    def _check(self) -> tuple[list[Variant], list[int]]:
+        """The file's variants must be those of the GGUF's layers, and each layer's bytes its variant's size."""
         meta = self._file.metadata
+        found, of_layer = variants(self.gguf)
         try:
             if meta.get("format") != CACHE_FORMAT or meta.get("version") != str(CACHE_VERSION):
                 raise ValueError("not a kernel layer cache of this version")
-            layout = LayerLayout.from_dict(json.loads(meta["layout"]))
-            weights = {name: tuple(int(v) for v in shape) for name, shape in json.loads(meta["weights"]).items()}
+            if json.loads(meta["variants"]) != [v.as_dict() for v in found] or \
+                    json.loads(meta["layer_variants"]) != of_layer:
+                raise ValueError("its layers' layouts are not this GGUF's")
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptCheckpointError(f"{self.path}: {err}") from err
-        for index in range(self.config.num_layers):
+        for index, number in enumerate(of_layer):
             entry = self._file.entries.get(f"layer.{index}")
-            if entry is None or entry.dtype != torch.uint8 or entry.num_bytes != layout.num_bytes:
+            if entry is None or entry.dtype != torch.uint8 or entry.num_bytes != found[number].layout.num_bytes:
                 raise CorruptCheckpointError(f"{self.path}: layer {index} is missing or of the wrong size")
-        for name, (num_out, num_in, repeat) in weights.items():
-            codes, scale_zeros = (next((s for s in layout.slots if s.name == f"{name}.{part}"), None)
-                                  for part in ("codes", "scale_zeros"))
-            width = num_in * repeat
-            if codes is None or scale_zeros is None or codes.shape != (num_out, width // 2) \
-                    or scale_zeros.shape != (width // packed_linear.GROUP, num_out, 2):
-                raise CorruptCheckpointError(f"{self.path}: weight {name} does not match its layout")
-        return layout, weights
+        return found, of_layer
 
     def __getattr__(self, name: str):
         if name == "gguf":               # not yet set (a copy under construction): no recursion
@@ -129,27 +164,26 @@ class KernelCachedSource:
         return self._layout
 
     def layer(self, index: int) -> dict[str, Tensor]:
-        """A layer's stored tensors, views into the mapped cache file (the RAM tier packs them)."""
-        return self._layout.views(self._file.tensor(f"layer.{index}"))
+        """A layer's stored bytes, a view into the mapped cache file (the RAM tier packs them)."""
+        return {BLOB: self._file.tensor(f"layer.{index}")}
 
     def layer_entries(self, index: int) -> dict[str, tuple[Path, TensorEntry]]:
-        base = self._file.entries[f"layer.{index}"].start
-        return {slot.name: (self.path, TensorEntry(slot.name, slot.dtype, slot.shape, base + slot.offset,
-                                                   base + slot.offset + slot.num_bytes))
-                for slot in self._layout.slots}
+        entry = self._file.entries[f"layer.{index}"]
+        return {BLOB: (self.path, TensorEntry(BLOB, torch.uint8, (entry.num_bytes,), entry.start, entry.end))}
 
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
                      shared: bool = False) -> dict:
-        """A streamed layer's Int4Weights and tensors as views of its stored bytes (nothing repacked); a resident
-        one (stored None) repacked from the GGUF into memory of its own."""
+        """A streamed layer's Int4Weights as views of its stored bytes (nothing repacked), its other tensors decoded
+        from their blocks; a resident one (stored None) repacked from the GGUF into memory of its own."""
         if stored is None:
             return self.gguf.kernel_layer(index, None, dtype)
-        layer = {name: stored[name].to(dtype) for name in stored
-                 if not name.endswith((".codes", ".scale_zeros"))}
-        for name, (num_out, num_in, repeat) in self._weights.items():
-            layer[name] = packed_linear.Int4Weight(stored[f"{name}.codes"], stored[f"{name}.scale_zeros"],
-                                                   (num_out, num_in), repeat)
-        return layer
+        variant = self._variants[self._of_layer[index]]
+        views = variant.layout.views(stored[BLOB][:variant.layout.num_bytes])
+        weights = {name: packed_linear.Int4Weight(views[f"{name}.codes"], views[f"{name}.scale_zeros"],
+                                                  (num_out, num_in), repeat)
+                   for name, num_out, num_in, repeat in variant.weights}
+        return {**self.gguf.decode_blocks(index, {name: views[name] for name in variant.blocks}, dtype, shared),
+                **weights}
 
     def decode_layer(self, index: int, stored: dict[str, Tensor], dtype: torch.dtype, shared: bool = False) -> dict:
         """The layer dense (a long prompt's rows): decoded from the GGUF's blocks."""
@@ -159,27 +193,15 @@ class KernelCachedSource:
         self._file.close()
 
 
-def kernel_layout(gguf, dtype: torch.dtype, root: Path) -> LayerLayout:
-    """The cache's layer layout (read from the file where it exists, else from layer 0's shapes)."""
-    path = kernel_cache_path(gguf, dtype, root)
-    if path.is_file():
-        try:
-            with closing(KernelCachedSource(gguf, path)) as cached:
-                return cached.layout(dtype)
-        except (OSError, CorruptCheckpointError):
-            pass
-    return LayerLayout.from_tensors(_flat(gguf.kernel_layer_meta(dtype))[0], None)
-
-
-def open_kernel_cache(gguf, dtype: torch.dtype, root: Path, on_status=None) -> KernelCachedSource | None:
+def open_kernel_cache(gguf, root: Path, on_status=None) -> KernelCachedSource | None:
     """The GGUF's layers from the kernel cache (made where missing or damaged); None where it cannot be (the
     layers then repack per pass, and a status line says why)."""
-    path = kernel_cache_path(gguf, dtype, root)
+    path = kernel_cache_path(gguf, root)
     for attempt in range(2):
         try:
             if attempt or not path.is_file():
-                _check_room(gguf, dtype, path)
-                build_kernel_cache(gguf, dtype, path, on_status)
+                _check_room(gguf, path)
+                build_kernel_cache(gguf, path, on_status)
             return KernelCachedSource(gguf, path)
         except (OSError, ValueError) as err:        # CorruptCheckpointError is a ValueError: made again, once
             error = err
