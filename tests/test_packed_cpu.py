@@ -1,5 +1,5 @@
 """A GGUF run on the CPU's int4 kernel (LoadOptions.cpu_kernel = "packed", offload/weights/packed_linear.py):
-the matrices the kernel takes multiply packed in every tier and are never decoded, the others (Q6_K here) take
+the matrices the kernel takes multiply packed in every tier and are never decoded, the others (Q5_0 here) take
 today's decode; the logits stay near the dense fp32 reference; a tree pass gives every row the bits a one-token
 pass gives it, on the embedded default model, for trees of 1 to 1,024 nodes."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from offload.loader import build_engine, streaming_device_budget
 from offload.model.config import ModelConfig
 from offload.weights.formats import open_source
 from offload.weights.ggml_types import GGMLType
+from offload.weights.gguf_names import GGUF_LAYER_NAMES
 from offload.weights.packed_linear import FUSED, Int4Head, Int4Weight
 from offload.weights.resolve import resolve_model
 from offload.weights.row_split import PromptRouting
@@ -23,15 +24,19 @@ from offload.weights.source import CheckpointSource
 import textdata
 from spec.tree import Tree
 from test_gguf_import import reference_tensors
-from test_gguf_inplace import _options, write_tiny_gguf
+from test_gguf_inplace import LAYERS, MATRIX_TYPES, _layer_shapes, _options, write_tiny_gguf
 
-KERNEL_TYPES = {"Q4_K", "Q8_0"}     # of the tiny file's matrix types; its Q6_K ones are decoded
+KERNEL_TYPES = {"Q4_K", "Q8_0"}     # of the tiny file's layer matrix types; its Q5_0 ones are decoded
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
+    """The tiny GGUF with its layers' Q6_K matrices made Q5_0 (a type the kernel takes not)."""
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
-    return write_tiny_gguf(tmp_path / "tiny.gguf")
+    q5 = {f"blk.{i}.{GGUF_LAYER_NAMES[name]}": GGMLType.Q5_0 for i in range(LAYERS)
+          for j, (name, shape) in enumerate(_layer_shapes().items())
+          if len(shape) == 2 and MATRIX_TYPES[(i + j) % len(MATRIX_TYPES)] == GGMLType.Q6_K}
+    return write_tiny_gguf(tmp_path / "tiny.gguf", types=q5)
 
 
 @pytest.fixture
@@ -74,10 +79,10 @@ def test_every_tier_multiplies_packed_and_decodes_only_what_the_kernel_cannot_ta
     got = resident.model.forward(ids, resident.model.new_cache(16)).logits
     for _ in range(2):      # streamed layers repacked pass after pass
         assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, got)
-    assert set(decoded_types) == {"Q6_K", "F32"}            # the streamed layers' others; nothing the kernel takes
+    assert set(decoded_types) == {"Q5_0", "F32"}            # the streamed layers' others; nothing the kernel takes
     # the kernel rounds to bf16: on random weights the logits move by ~2% of their spread (rms), not more
     assert float((got - expected).pow(2).mean().sqrt()) < 0.05 * float(expected.std())
-    assert not isinstance(resident.model.lm_head, Int4Head)   # the tiny file's lm_head is Q6_K
+    assert not isinstance(resident.model.lm_head, Int4Head)   # the tiny vocabulary is not a multiple of 16 rows
     streamed.layers.close()
 
 
@@ -85,7 +90,9 @@ def test_the_status_line_names_what_the_kernel_multiplies_and_what_it_decodes(ti
     statuses = []
     load_model(_options(str(tiny), cpu_kernel="packed"), on_status=statuses.append)
     line = next(s for s in statuses if s.startswith("CPU packed int4 kernel"))
-    assert "Q4_K x" in line and "Q8_0 x" in line and line.split("decoded to dense")[1].count("Q6_K x") == 1
+    taken, decoded = line.split("decoded to dense")
+    assert "Q4_K x" in taken and "Q8_0 x" in taken and "Q5_0 x" in decoded
+    assert "Q6_K x1" in decoded             # the lm_head: Q6_K, but its rows (the tiny vocabulary) not a multiple of 16
 
 
 def test_an_unknown_cpu_kernel_is_refused():

@@ -196,12 +196,17 @@ def _q5_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 176] -> out [
     _apply_k4_scales(blocks, out)
 
 
-def _q6_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 210] -> out [n, 256]
+def six_bit_codes(blocks: Tensor) -> Tensor:
+    """Q6_K blocks [n, 210] -> their codes q in 0..63, [n, 256] uint8 in the weights' order."""
     # each 128-element half h takes ql[64h : 64h + 64] (low nibbles, then high) and 2-bit fields of qh[32h : 32h + 32]
     q = _nibbles(blocks[:, :128], 2)                                             # [n, 2, 2, 64]
     _or_high_bits(q.view(-1, 2, 4, 32), blocks[:, 128:192].view(-1, 2, 32), 2)
+    return q.view(-1, 256)
+
+
+def _q6_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 210] -> out [n, 256]
     scale = (_half(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).unsqueeze(-1)   # [n, 16, 1]
-    out.copy_(_centered(q, 32).view(-1, 256)).view(-1, 16, 16).mul_(scale)
+    out.copy_(_centered(six_bit_codes(blocks), 32)).view(-1, 16, 16).mul_(scale)
 
 
 _DECODERS = {

@@ -5,12 +5,11 @@ as it lies: no repack per pass (offload/weights/packed_linear.py: the repack too
 The layout of the packed codes is the running CPU's dispatch (AVX512, AVX2) and torch's, so the file is keyed by
 both, with the GGUF's name, size and modification time; a file that fails its checks is made again. Each layer is
 one uint8 tensor `layer.N`: the codes and scales of every matrix the kernel takes (q/k/v and gate/up fused as
-packed_linear fuses them), then every other tensor's raw GGUF blocks (norms; a Q4_K_M file's Q6_K attn_v and
-ffn_down), decoded before use as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K in some
-layers only) have different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot
+packed_linear fuses them), then every other tensor's raw GGUF blocks (norms; Q5 matrices), decoded before use
+as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K attn_v and ffn_down in some layers only) have different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot
 as large as the largest variant, so any ring slot holds any layer and a layer streams as one contiguous read.
 Made on the first start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a
-weight for Q4_0/Q4_1/Q4_K, 1.25 for Q8_0, the file's size for the rest)."""
+weight for Q4_0/Q4_1/Q4_K, 1.25 for Q8_0 and Q6_K, the file's size for the rest)."""
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +27,7 @@ from offload.weights.gguf_source import GgufSource
 from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, SafetensorsStreamWriter, TensorEntry
 
-CACHE_FORMAT, CACHE_VERSION = "specstream-kernel-layers", 2
+CACHE_FORMAT, CACHE_VERSION = "specstream-kernel-layers", 3
 BLOB = "layer"      # the one slot streaming sees
 
 
@@ -36,7 +35,7 @@ BLOB = "layer"      # the one slot streaming sees
 class Variant:
     """One inner layout of a cached layer: where each tensor lies in its bytes, and what each is."""
     layout: LayerLayout
-    weights: tuple[tuple[str, int, int, int], ...]     # (name, N, K, repeat): Int4Weight parts "name.codes/.scale_zeros"
+    weights: tuple[tuple[str, int, int, int, int], ...]   # (name, N, K, repeat, interleave) of Int4Weights "name.*"
     blocks: tuple[str, ...]                            # tensors kept as raw GGUF blocks (uint8 slots)
 
     def as_dict(self) -> dict:
@@ -71,7 +70,7 @@ def _variant_of(gguf, index: int) -> Variant:
     weights = {name: value for name, value in meta.items() if isinstance(value, packed_linear.Int4Weight)}
     blocks = {name: torch.empty(gguf.block_bytes(index, name), dtype=torch.uint8, device="meta") for name in rest}
     return Variant(LayerLayout.from_tensors(_flat(weights, blocks), None),
-                   tuple((name, *w.shape, w.repeat) for name, w in weights.items()), rest)
+                   tuple((name, *w.shape, w.repeat, int(w.interleave)) for name, w in weights.items()), rest)
 
 
 def variants(gguf) -> tuple[list[Variant], list[int]]:
@@ -180,8 +179,8 @@ class KernelCachedSource:
         variant = self._variants[self._of_layer[index]]
         views = variant.layout.views(stored[BLOB][:variant.layout.num_bytes])
         weights = {name: packed_linear.Int4Weight(views[f"{name}.codes"], views[f"{name}.scale_zeros"],
-                                                  (num_out, num_in), repeat)
-                   for name, num_out, num_in, repeat in variant.weights}
+                                                  (num_out, num_in), repeat, bool(interleave))
+                   for name, num_out, num_in, repeat, interleave in variant.weights}
         return {**self.gguf.decode_blocks(index, {name: views[name] for name in variant.blocks}, dtype, shared),
                 **weights}
 

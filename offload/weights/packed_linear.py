@@ -14,6 +14,9 @@ GGUF blocks map onto it with group 32, exactly before the bf16 rounding of scale
     Q4_K  w = (d sc_j) q - (dmin m_j)     scale d sc_j,     zero 8 d sc_j - dmin m_j    per sub-block j of 32
     Q8_0  w = d * q, q int8 = 16 hi + lo: two products over K, summed in one by doubling K (x' = [x, x]):
           hi = (q >> 4) + 8 with scale 16d, zero 0; lo = q & 15 with scale d, zero 8d
+    Q6_K  w = (d sc_j)(q - 32), q = 16 hi + lo in 0..63, sub-block j of 16: one group of 32 per sub-block, its
+          16 codes hi + 6 against 16 x and its 16 codes lo against x (x' = [16 x_j, x_j] per sub-block: 16 x is
+          exact in bf16), scale d sc_j, zero 8 d sc_j / 17: 16 (hi - 2) + (lo - 8) + 17 * 8 / 17 = q - 32
 
 Error against decode-then-fp32 (tests/test_packed_linear.py states the bound it checks): activations,
 scales and zeros rounded to bf16 (relative 2^-8 each: bf16 keeps 8 significant bits) and the output rounded
@@ -30,11 +33,12 @@ import torch
 from torch import Tensor
 
 from offload.weights.gguf_blocks import (_half, _nibbles, _scale_min_k4, _two_halves, _word_nibbles, dequantize,
-                                         packed_nbytes)
+                                         packed_nbytes, six_bit_codes)
 from offload.weights.ggml_types import QUANT_SIZES, GGMLType as T
 
 GROUP = 32
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0)
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K)
+SUB_BLOCK = 16               # Q6_K's sub-block: an input chunk taken as [16 x, x] (Int4Weight.interleave)
 REPACK_CODES = 1 << 20       # codes repacked at once: every temporary stays cache-sized (as gguf_blocks decodes)
 ROW_MULTIPLE = 16            # the kernel's N must be a multiple of 16
 HEAD_CHUNK = 4096            # output rows recomputed at once
@@ -67,14 +71,18 @@ class Int4Weight:
     codes: Tensor            # [N, K * repeat / 2] uint8, the running CPU's packed layout
     scale_zeros: Tensor      # [K * repeat / 32, N, 2] bf16
     shape: tuple[int, int]   # (N, K), the logical weight's
-    repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products)
+    repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products; Q6_K's)
+    interleave: bool = False  # the doubled input is [16 x, x] per sub-block of 16 (Q6_K), not [x, x] (Q8_0)
     is_row_exact = True      # a row's result never depends on the other rows (the layer attends to match)
 
     def matmul(self, x: Tensor) -> Tensor:
         """x [..., K] -> x @ W^T [..., N] in x's dtype (computed from bf16 x, rounded to bf16)."""
         num_out, num_in = self.shape
         rows = x.reshape(-1, num_in).to(torch.bfloat16)                          # [M, K]
-        if self.repeat == 2:
+        if self.interleave:
+            chunks = rows.view(-1, num_in // SUB_BLOCK, 1, SUB_BLOCK)               # [M, K / 16, 1, 16]
+            rows = torch.cat([chunks * 16, chunks], dim=2).view(-1, 2 * num_in)     # [M, 2K]
+        elif self.repeat == 2:
             rows = torch.cat([rows, rows], dim=1)                                # [M, 2K]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.codes, GROUP, self.scale_zeros)
         return out.to(x.dtype).view(*x.shape[:-1], num_out)                    # [..., N]
@@ -86,7 +94,7 @@ class Int4Weight:
     def rows(self, start: int, stop: int) -> Int4Weight:
         """Output rows [start, stop) (multiples of 64: whole row blocks), views of this weight's storage."""
         return Int4Weight(self.codes[start:stop], self.scale_zeros[:, start:stop], (stop - start, self.shape[1]),
-                          self.repeat)
+                          self.repeat, self.interleave)
 
 
 @dataclass(slots=True)
@@ -146,30 +154,33 @@ def empty_layer(specs: dict[str, tuple[int, tuple[int, int]]], device: str | tor
     for name, parts in FUSED.items():
         found = [specs[part] for part in parts if part in specs]
         if len(found) < len(parts) or any(shape[0] % 64 for _, shape in found) or \
-                len({(shape[1], _repeat(qtype)) for qtype, shape in found}) != 1:
+                len({(shape[1], _form(qtype)) for qtype, shape in found}) != 1:
             continue
-        weights[name] = _empty(sum(shape[0] for _, shape in found), found[0][1][1], _repeat(found[0][0]), device)
+        weights[name] = _empty(sum(shape[0] for _, shape in found), found[0][1][1], *_form(found[0][0]), device=device)
     done = {part for name in weights for part in FUSED[name]}
-    weights.update({name: _empty(*shape, _repeat(qtype), device) for name, (qtype, shape) in specs.items()
+    weights.update({name: _empty(*shape, *_form(qtype), device=device) for name, (qtype, shape) in specs.items()
                     if name not in done})
     return weights
 
 
 def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
     """Bytes an Int4Weight of this GGUF tensor holds: half a byte and 1/8 byte of scale and zero per code."""
-    codes = shape[0] * shape[1] * (2 if int(qtype) == int(T.Q8_0) else 1)
+    codes = shape[0] * shape[1] * _form(qtype)[0]
     return codes // 2 + codes // GROUP * 4
 
 
-def _repeat(qtype: int) -> int:
-    return 2 if int(qtype) == int(T.Q8_0) else 1
+def _form(qtype: int) -> tuple[int, bool]:
+    """(repeat, interleave) of an Int4Weight of this GGUF type: how its input is widened."""
+    qtype = int(qtype)
+    return (2, qtype == int(T.Q6_K)) if qtype in (int(T.Q8_0), int(T.Q6_K)) else (1, False)
 
 
-def _empty(num_out: int, num_in: int, repeat: int, device: str | torch.device = "cpu") -> Int4Weight:
+def _empty(num_out: int, num_in: int, repeat: int = 1, interleave: bool = False,
+           device: str | torch.device = "cpu") -> Int4Weight:
     width = num_in * repeat
     return Int4Weight(torch.empty(num_out, width // 2, dtype=torch.uint8, device=device),
                       torch.empty(width // GROUP, num_out, 2, dtype=torch.bfloat16, device=device), (num_out, num_in),
-                      repeat)
+                      repeat, interleave)
 
 
 def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int], out: Int4Weight | None = None) -> Int4Weight:
@@ -184,9 +195,9 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int], out: Int4Weight |
         raise ValueError(f"{qtype.name} {tuple(shape)} needs {packed_nbytes(qtype, shape)} bytes, got {raw.numel()}")
     if raw.data_ptr() % 4 != 0 or not raw.is_contiguous():
         raw = raw.clone(memory_format=torch.contiguous_format)                  # int32 views need 4-byte alignment
-    out = _empty(num_out, num_in, _repeat(qtype)) if out is None else out
-    codes, scale_zeros, repeat = out.codes, out.scale_zeros, out.repeat
-    width = num_in * repeat
+    out = _empty(num_out, num_in, *_form(qtype)) if out is None else out
+    codes, scale_zeros, width = out.codes, out.scale_zeros, num_in * out.repeat
+    repeat = 2 if qtype == T.Q8_0 else 1      # groups per block taken apart: Q8_0's hi products, then its lo ones
     row_bytes = raw.numel() // num_out
     block_bytes = QUANT_SIZES[qtype][1]
     step = max(1, REPACK_CODES // width // 64) * 64       # a multiple of 64 rows: the layout's row blocks stay whole
@@ -264,4 +275,11 @@ def _q8_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             torch.cat([torch.zeros_like(d), 8 * d], dim=1))
 
 
-_GROUPS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q8_0: _q8_0}
+def _q6_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    q = six_bit_codes(blocks).view(-1, 16, 1, SUB_BLOCK)                        # [n, 16 sub-blocks, 1, 16] 0..63
+    codes = torch.cat([(q >> 4).add_(6), q & 0x0F], dim=2)                        # [n, 16, 2, 16]: hi + 6, lo
+    scale = _half(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()      # [n, 16]
+    return codes.view(-1, 16, GROUP), scale, scale * (8 / 17)
+
+
+_GROUPS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q8_0: _q8_0, T.Q6_K: _q6_k}
