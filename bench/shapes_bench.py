@@ -43,11 +43,14 @@ class ShapesBenchConfig:
     stream_kernels: tuple[str, ...] = ("dense", "packed")
     threads: int = 2
     timeout: int = 1800              # seconds per child process
+    omp_wait_policy: str = "PASSIVE"  # every child's OMP_WAIT_POLICY ("default": the environment's, as a user runs)
 
     def __post_init__(self) -> None:
         unknown = set(self.shapes) - set(GOALS)
         if unknown:
             raise ValueError(f"shapes {sorted(unknown)}: choose from {', '.join(GOALS)}")
+        if self.omp_wait_policy not in ("default", "PASSIVE", "ACTIVE"):
+            raise ValueError(f"omp_wait_policy must be default, PASSIVE or ACTIVE, got {self.omp_wait_policy!r}")
         if self.new_tokens < 2 or self.rounds < 1 or self.stream_steps < 1 or self.prefill_tokens < 16:
             raise ValueError(f"need new_tokens >= 2, rounds >= 1, stream_steps >= 1 and prefill_tokens >= 16: {self}")
 
@@ -85,8 +88,9 @@ def prompt_ids(count: int) -> tuple[list[int], list[int]]:
     return chat, tokenizer.encode(documentation_prose(0))[:count]
 
 
-def _child(cmd: list[str], timeout: int) -> dict:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}       # as bench/peers.py: no spinning on a shared machine
+def _child(cmd: list[str], timeout: int, policy: str) -> dict:
+    # PASSIVE as bench/peers.py (no spinning on a shared machine); "default" leaves the environment as a user has it
+    env = {**os.environ, **({} if policy == "default" else {"OMP_WAIT_POLICY": policy})}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -100,14 +104,15 @@ def run_llama(python: Path, path: Path, ids: dict, config: ShapesBenchConfig) ->
                    json.dumps(ids["prompt_ids"]), "--max-new-tokens", str(config.new_tokens), "--ignore-eos",
                    "--threads", str(config.threads), "--context", str(config.prefill_tokens + config.new_tokens + 64),
                    "--warmup-tokens", str(config.warmup_tokens), "--prefill-ids", json.dumps(ids["prefill_ids"])],
-                  config.timeout)
+                  config.timeout, config.omp_wait_policy)
 
 
 def run_ours(path: Path, ids: dict, config: ShapesBenchConfig, tier: str, kernel: str = "packed") -> dict:
     cfg = {**ids, "path": str(path), "tier": tier, "kernel": kernel, "threads": config.threads,
            "max_context": config.prefill_tokens + config.new_tokens + 64, "new_tokens": config.new_tokens,
            "warmup_tokens": config.warmup_tokens, "stream_steps": config.stream_steps}
-    return _child([sys.executable, "-m", "bench.shapes_ours", "--cfg", json.dumps(cfg)], config.timeout)
+    return _child([sys.executable, "-m", "bench.shapes_ours", "--cfg", json.dumps(cfg)], config.timeout,
+                  config.omp_wait_policy)
 
 
 def _median_of(runs: list[dict]) -> dict:
@@ -170,11 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--stream-tiers", default=",".join(defaults.stream_tiers), help="ram, disk (none: '')")
     parser.add_argument("--stream-kernels", default=",".join(defaults.stream_kernels), help="dense, packed")
+    parser.add_argument("--omp-wait-policy", default=defaults.omp_wait_policy, choices=("default", "PASSIVE", "ACTIVE"),
+                        help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     config = ShapesBenchConfig(_tuple(args.shapes), _tuple(args.types), args.new_tokens, args.warmup_tokens,
                                args.prefill_tokens, args.rounds, args.stream_steps, _tuple(args.stream_tiers),
-                               _tuple(args.stream_kernels), args.threads, args.timeout)
+                               _tuple(args.stream_kernels), args.threads, args.timeout, args.omp_wait_policy)
     result = {"command": " ".join(["python -m bench.shapes_bench", *(argv if argv is not None else sys.argv[1:])]),
               **run_shapes_bench(config, lambda m: print(m, file=sys.stderr, flush=True))}
     text = json.dumps(result, indent=1)

@@ -62,3 +62,10 @@ def test_verdict_and_table():
     assert row["why"]["llama_cpp_gbps"] == 10.0 and row["why"]["kernel_alone_over_llama_cpp"] == 0.667
     lines = markdown_table({"files": [row]}).splitlines()
     assert len(lines) == 3 and "| 0.5 (0.8) |" in lines[2] and "| 1.5 / - |" in lines[2]
+
+
+def test_the_wait_policy_is_one_openmp_knows():
+    from bench.shapes_bench import ShapesBenchConfig
+    assert ShapesBenchConfig(omp_wait_policy="default").omp_wait_policy == "default"
+    with pytest.raises(ValueError, match="omp_wait_policy must be default, PASSIVE or ACTIVE"):
+        ShapesBenchConfig(omp_wait_policy="spin")
