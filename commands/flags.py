@@ -27,9 +27,9 @@ def add_gguf_import(parser) -> None:
 def add_cpu_kernel(parser) -> None:
     from offload.loader import CPU_KERNELS, DEFAULT_CPU_KERNEL
     parser.add_argument("--cpu-kernel", default=DEFAULT_CPU_KERNEL, choices=CPU_KERNELS,
-                        help="on the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices and a SpQR checkpoint's w4 g32 "
-                             "ones: packed = multiplied as stored by torch's int4 kernel in bf16 (speculation stays "
-                             f"exact), dense = decoded to fp32 (default: {DEFAULT_CPU_KERNEL})")
+                        help="on the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 matrices and a SpQR checkpoint's "
+                             "w4 g32 ones: packed = multiplied as stored by torch's int4 kernel in bf16 (speculation "
+                             f"stays exact), dense = decoded to fp32 (default: {DEFAULT_CPU_KERNEL})")
 
 
 def add_draft(parser, help: str = DRAFT_HELP) -> None:

@@ -58,8 +58,8 @@ class LoadOptions:
     formats: tuple[WeightFormat, ...] = ()   # packed formats beyond plain checkpoints (runtime.weight_formats)
     gguf_import: bool = False       # a GGUF is dequantized once to a safetensors folder rather than run in place
     direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
-    # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 matrices: "packed" multiplies them as stored with torch's int4
-    # kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
+    # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 matrices: "packed" multiplies them as stored with torch's
+    # int4 kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
     cpu_kernel: str = "dense"
     substitute_layer_bytes: int = 0 # a self-draft's low-bit copy of each streamed layer, kept on the device
 
@@ -115,8 +115,9 @@ def load_model(options: LoadOptions, on_status=None, on_progress=None) -> Loaded
 
 def streaming_device_budget(options: LoadOptions, resident_layers: int = 0) -> int:
     """The --gpu-mem at which this model, loaded with `options`, keeps only `resident_layers` decoder
-    layers on the device and streams the rest (its layer bytes as stored: packed formats count packed)."""
-    return streaming_budget(_request_for(options), resident_layers)
+    layers on the device and streams the rest (its layer bytes as stored: packed formats count packed; a GGUF on the
+    CPU's kernel in its kernel layer cache's layout, as such a streamed load reads it)."""
+    return streaming_budget(_request_for(options, streamed=True), resident_layers)
 
 
 def plan_for(options: LoadOptions) -> Plan:
@@ -130,8 +131,9 @@ def largest_batch_for(options: LoadOptions, limit: int = 1024) -> int:
     return largest_batch(_request_for(options), limit)
 
 
-def _request_for(options: LoadOptions) -> PlanRequest:
-    """The plan request load_model would make for `options`, without loading any weights."""
+def _request_for(options: LoadOptions, streamed: bool = False) -> PlanRequest:
+    """The plan request load_model would make for `options`, without loading any weights (`streamed`: as if its
+    plan streamed layers)."""
     path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
@@ -140,14 +142,10 @@ def _request_for(options: LoadOptions) -> PlanRequest:
     if on_packed_kernel(source, options, device):    # the output matrix packed beside the dense embedding
         global_bytes += source.kernel_head_bytes(dtype)
     request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
-    try:
-        cached = _streams_from_kernel_cache(source, options, device, make_plan(request))
-    except PlanError:
-        return request          # the caller's plan says why
-    if cached:                  # planned in the cache's layout, as build_engine loads it
-        request = _plan_request(options, source, kernel_cache.kernel_layout(source), global_bytes,
-                                device, dtype)
-    return request
+    if not _on_kernel_cache(source, options, device):
+        return request
+    cached = _plan_request(options, source, kernel_cache.kernel_layout(source), global_bytes, device, dtype)
+    return cached if streamed or _streams(request, cached) else request    # as build_engine loads it
 
 
 def _global_bytes(source: WeightSource, dtype: torch.dtype) -> int:
@@ -195,24 +193,36 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
         replaced = globals_.get("lm_head")
         global_bytes += head.nbytes - (replaced.nbytes if replaced is not None else 0)
         globals_["lm_head"] = head
-    layout = source.layout(dtype)
-    plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
-    if _streams_from_kernel_cache(source, options, device, plan):
-        cached = kernel_cache.open_kernel_cache(source, cache_root(), on_status)
-        if cached is not None:   # streamed layers read as the kernel multiplies them: planned in that layout
-            source, layout = cached, cached.layout(dtype)
-            plan = make_plan(_plan_request(options, source, layout, global_bytes, device, dtype))
-    layers = _build_layers(source, layout, plan, device, dtype, options)
+    request = _plan_request(options, source, source.layout(dtype), global_bytes, device, dtype)
+    if _on_kernel_cache(source, options, device):
+        cached_request = _plan_request(options, source, kernel_cache.kernel_layout(source), global_bytes, device, dtype)
+        if _streams(request, cached_request):
+            cached = kernel_cache.open_kernel_cache(source, cache_root(), on_status)
+            if cached is not None:   # streamed layers read as the kernel multiplies them: planned in that layout
+                source, request = cached, cached_request
+    plan = make_plan(request)
+    layers = _build_layers(source, source.layout(dtype), plan, device, dtype, options)
     model = DecoderModel(config, globals_, layers, device, dtype)
     if on_kernel:                # its layers attend in float64: the KV cache holds float64 (layers.py)
         model.cache_dtype = torch.float64
     return Engine(model, layers, plan, global_bytes, on_kernel, source)
 
 
-def _streams_from_kernel_cache(source: WeightSource, options: LoadOptions, device: torch.device, plan: Plan) -> bool:
-    """Whether the layers this plan streams are read from the GGUF's kernel layer cache (weights/kernel_cache.py)."""
-    return on_packed_kernel(source, options, device) and any(tier != "device" for tier in plan.tier_of) \
-        and kernel_cache.serves(source)
+def _on_kernel_cache(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
+    """Whether layers this load streams are read from the GGUF's kernel layer cache (weights/kernel_cache.py)."""
+    return on_packed_kernel(source, options, device) and kernel_cache.serves(source)
+
+
+def _streams(request: PlanRequest, cached: PlanRequest) -> bool:
+    """Whether a load streams layers: its plan in the GGUF's layout does, or only the kernel cache's layout fits."""
+    try:
+        return any(tier != "device" for tier in make_plan(request).tier_of)
+    except PlanError:
+        try:
+            make_plan(cached)
+            return True
+        except PlanError:
+            return False
 
 
 def _plan_request(options: LoadOptions, source: WeightSource, layout: LayerLayout, global_bytes: int,

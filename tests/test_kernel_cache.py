@@ -50,12 +50,12 @@ def _streamed(path, statuses=None, ram: int | None = 1):
 
 def _mixes(tmp_path) -> dict:
     """GGUFs of uniform layers, of layers alternating Q4_K and Q8_0 (Q8_0 doubles the codes), and the tiny
-    default's mix (Q4_K, Q6_K, Q8_0) with some Q5_0 matrices (kept as raw blocks, decoded per pass) -> their number
+    default's mix (Q4_K, Q6_K, Q8_0) with some F16 matrices (kept as raw blocks, decoded per pass) -> their number
     of variants (None: several)."""
-    q5 = {f"blk.{i}.attn_v.weight": Q.Q5_0 for i in range(0, LAYERS, 2)}
+    wide = {f"blk.{i}.attn_v.weight": Q.F16 for i in range(0, LAYERS, 2)}
     return {_uniform(tmp_path / "q4k.gguf", [Q.Q4_K] * LAYERS): 1,
             _uniform(tmp_path / "alternating.gguf", [Q.Q4_K, Q.Q8_0] * (LAYERS // 2)): 2,
-            write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS, types=q5): None}
+            write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS, types=wide): None}
 
 
 @pytest.mark.parametrize("tier", ["disk", "ram"])
@@ -117,7 +117,7 @@ def test_a_damaged_cache_is_made_again(tmp_path, cache):
 
 
 def test_a_gguf_without_a_matrix_the_kernel_takes_is_not_cached(tmp_path, cache):
-    path = _uniform(tmp_path / "q5k.gguf", [Q.Q5_K] * LAYERS)
+    path = _uniform(tmp_path / "f16.gguf", [Q.F16] * LAYERS)
     streamed, _ = _streamed(path)
     assert not kernel_cache.serves(streamed.source) and not isinstance(streamed.source, kernel_cache.KernelCachedSource)
     streamed.layers.close()
@@ -145,8 +145,8 @@ def test_a_disk_without_room_keeps_the_repack_and_says_why(tmp_path, cache, monk
     streamed.layers.close()
 
 
-@pytest.mark.parametrize("qtype, num_variants", [(Q.Q4_0, 1), (Q.Q8_0, 2), (Q.Q6_K, 2), (Q.Q5_0, 2)],
-                         ids=["q4_0", "q8_0", "q6_k", "q5_0"])
+@pytest.mark.parametrize("qtype, num_variants", [(Q.Q4_0, 1), (Q.Q8_0, 2), (Q.Q6_K, 2), (Q.F16, 2)],
+                         ids=["q4_0", "q8_0", "q6_k", "f16"])
 def test_the_variants_from_shapes_are_the_repacked_layers(tmp_path, cache, qtype, num_variants):
     """A layer's variant is read from its tensors' types and shapes (nothing repacked): its layout is where the
     repacked layer lands (fused q/k/v and gate/up, Q8_0's doubled width, the raw blocks of the rest), and the
@@ -162,5 +162,5 @@ def test_the_variants_from_shapes_are_the_repacked_layers(tmp_path, cache, qtype
         tensors = kernel_cache._flat(weights, {name: raw[name] for name in found[of_layer[index]].blocks})
         assert [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()] == \
             [(s.name, s.dtype, s.shape) for s in found[of_layer[index]].layout.slots]
-        assert ("qkv" in weights) == (types[index] != Q.Q5_0)            # Q5_0: raw blocks, decoded per pass
+        assert ("qkv" in weights) == (types[index] != Q.F16)              # F16: raw blocks, decoded per pass
     assert kernel_cache.kernel_layout(source).num_bytes >= max(v.layout.num_bytes for v in found)

@@ -1,5 +1,5 @@
 """A GGUF run on the CPU's int4 kernel (LoadOptions.cpu_kernel = "packed", offload/weights/packed_linear.py):
-the matrices the kernel takes multiply packed in every tier and are never decoded, the others (Q5_0 here) take
+the matrices the kernel takes multiply packed in every tier and are never decoded, the others (F16 here) take
 today's decode; the logits stay near the dense fp32 reference; a tree pass gives every row the bits a one-token
 pass gives it, on the embedded default model, for trees of 1 to 1,024 nodes."""
 from __future__ import annotations
@@ -26,17 +26,17 @@ from spec.tree import Tree
 from test_gguf_import import reference_tensors
 from test_gguf_inplace import LAYERS, MATRIX_TYPES, _layer_shapes, _options, write_tiny_gguf
 
-KERNEL_TYPES = {"Q4_K", "Q8_0"}     # of the tiny file's layer matrix types; its Q5_0 ones are decoded
+KERNEL_TYPES = {"Q4_K", "Q8_0"}     # of the tiny file's layer matrix types; its F16 ones are decoded
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
-    """The tiny GGUF with its layers' Q6_K matrices made Q5_0 (a type the kernel takes not)."""
+    """The tiny GGUF with its layers' Q6_K matrices made F16 (a type the kernel takes not)."""
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
-    q5 = {f"blk.{i}.{GGUF_LAYER_NAMES[name]}": GGMLType.Q5_0 for i in range(LAYERS)
+    wide = {f"blk.{i}.{GGUF_LAYER_NAMES[name]}": GGMLType.F16 for i in range(LAYERS)
           for j, (name, shape) in enumerate(_layer_shapes().items())
           if len(shape) == 2 and MATRIX_TYPES[(i + j) % len(MATRIX_TYPES)] == GGMLType.Q6_K}
-    return write_tiny_gguf(tmp_path / "tiny.gguf", types=q5)
+    return write_tiny_gguf(tmp_path / "tiny.gguf", types=wide)
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_every_tier_multiplies_packed_and_decodes_only_what_the_kernel_cannot_ta
     resident = load_model(_options(str(tiny), cpu_kernel="packed"))
     folder = resolve_model(str(tiny))
     layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
-    options = _options(str(tiny), ram=layer_bytes, cpu_kernel="packed")   # one layer in RAM, two on disk
+    options = _options(str(tiny), ram=layer_bytes, cpu_kernel="packed", ring_size=2)   # one layer in RAM, two on disk
     streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
     assert resident.plan.tier_of == ["device"] * 3 and streamed.plan.tier_of == ["ram", "disk", "disk"]
     types = {(i, name): info.type_name for i, layer in enumerate(resident.source._layers) for name, info in layer.items()}
@@ -79,7 +79,7 @@ def test_every_tier_multiplies_packed_and_decodes_only_what_the_kernel_cannot_ta
     got = resident.model.forward(ids, resident.model.new_cache(16)).logits
     for _ in range(2):      # streamed layers repacked pass after pass
         assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, got)
-    assert set(decoded_types) == {"Q5_0", "F32"}            # the streamed layers' others; nothing the kernel takes
+    assert set(decoded_types) == {"F16", "F32"}            # the streamed layers' others; nothing the kernel takes
     # the kernel rounds to bf16: on random weights the logits move by ~2% of their spread (rms), not more
     assert float((got - expected).pow(2).mean().sqrt()) < 0.05 * float(expected.std())
     assert not isinstance(resident.model.lm_head, Int4Head)   # the tiny vocabulary is not a multiple of 16 rows
@@ -91,7 +91,7 @@ def test_the_status_line_names_what_the_kernel_multiplies_and_what_it_decodes(ti
     load_model(_options(str(tiny), cpu_kernel="packed"), on_status=statuses.append)
     line = next(s for s in statuses if s.startswith("CPU packed int4 kernel"))
     taken, decoded = line.split("decoded to dense")
-    assert "Q4_K x" in taken and "Q8_0 x" in taken and "Q5_0 x" in decoded
+    assert "Q4_K x" in taken and "Q8_0 x" in taken and "F16 x" in decoded
     assert "Q6_K x1" in decoded             # the lm_head: Q6_K, but its rows (the tiny vocabulary) not a multiple of 16
 
 

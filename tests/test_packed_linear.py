@@ -43,10 +43,10 @@ def _groups(raw: torch.Tensor, qtype: T, shape: tuple[int, int]) -> tuple[torch.
 
 def _per_weight(qtype: T, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """[N, blocks, groups, 32] values at the widened input's places -> [N, K] per weight: Q8_0's hi and lo products
-    summed, Q6_K's 16 hi places (against 16 x) and 16 lo places (against x) of each group combined."""
+    summed, a 5/6-bit type's 16 hi places (against 16 x) and 16 lo places (against x) of each group combined."""
     if qtype == T.Q8_0:
         values = values.sum(2, keepdim=True)
-    if qtype == T.Q6_K:
+    if packed_linear._form(qtype)[1]:
         pairs = values.reshape(*values.shape[:3], 2, packed_linear.SUB_BLOCK)
         values = 16 * pairs[..., 0, :] + pairs[..., 1, :]
     return values.reshape(shape)
@@ -81,7 +81,8 @@ def test_packed_product_is_the_dense_product_within_bf16_rounding(qtype, shape):
     assert float(error.max()) > 0                                                    # really computed in bf16
 
 
-@pytest.mark.parametrize("qtype,shape", [(T.Q4_1, (192, 576)), (T.Q6_K, (192, 512))], ids=["q4_1", "q6_k"])
+@pytest.mark.parametrize("qtype,shape", [(T.Q4_1, (192, 576)), (T.Q6_K, (192, 512)), (T.Q5_1, (192, 576))],
+                         ids=["q4_1", "q6_k", "q5_1"])
 def test_every_row_gets_the_bits_it_gets_alone(qtype, shape):
     packed = packed_linear.from_gguf(_raw(qtype, shape), qtype, shape)
     x = torch.randn(1024, shape[1], generator=torch.Generator().manual_seed(2))
@@ -158,7 +159,7 @@ def test_kernel_bytes_counts_what_the_weight_holds():
             qtype, shape)
 
 
-@pytest.mark.parametrize("qtype,shape", [(T.Q5_K, (64, 256)), (T.Q5_0, (64, 256)), (T.Q4_0, (40, 256)),
+@pytest.mark.parametrize("qtype,shape", [(T.F16, (64, 256)), (T.BF16, (64, 256)), (T.Q4_0, (40, 256)),
                                          (T.Q4_0, (256,))])
 def test_types_and_shapes_the_kernel_cannot_take_are_refused(qtype, shape):
     assert not packed_linear.takes(qtype, shape)

@@ -189,10 +189,15 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 144] -> out [
     _apply_k4_scales(blocks, out)
 
 
-def _q5_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 176] -> out [n, 256]
+def five_bit_k_codes(blocks: Tensor) -> Tensor:
+    """Q5_K blocks [n, 176] -> their codes q in 0..31, [n, 256] uint8 in the weights' order."""
     q = _nibbles(blocks[:, 48:], 4)                                              # [n, 4, 2, 32]
     _or_high_bits(q.view(-1, 8, 32), blocks[:, 16:48], 1)
-    out.copy_(q.view(-1, 256))
+    return q.view(-1, 256)
+
+
+def _q5_k(blocks: Tensor, out: Tensor) -> None:       # blocks [n, 176] -> out [n, 256]
+    out.copy_(five_bit_k_codes(blocks))
     _apply_k4_scales(blocks, out)
 
 

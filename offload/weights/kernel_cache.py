@@ -5,11 +5,12 @@ as it lies: no repack per pass (offload/weights/packed_linear.py: the repack too
 The layout of the packed codes is the running CPU's dispatch (AVX512, AVX2) and torch's, so the file is keyed by
 both, with the GGUF's name, size and modification time; a file that fails its checks is made again. Each layer is
 one uint8 tensor `layer.N`: the codes and scales of every matrix the kernel takes (q/k/v and gate/up fused as
-packed_linear fuses them), then every other tensor's raw GGUF blocks (norms; Q5 matrices), decoded before use
-as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K attn_v and ffn_down in some layers only) have different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot
-as large as the largest variant, so any ring slot holds any layer and a layer streams as one contiguous read.
-Made on the first start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a
-weight for Q4_0/Q4_1/Q4_K, 1.25 for Q8_0 and Q6_K, the file's size for the rest)."""
+packed_linear fuses them), then every other tensor's raw GGUF blocks (norms; F16 matrices), decoded before use
+as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K attn_v and ffn_down in some layers only) have
+different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot as large as the
+largest variant, so any ring slot holds any layer and a layer streams as one contiguous read. Made on the first
+start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a weight for
+Q4_0/Q4_1/Q4_K, 1.25 for Q8_0 and the 5/6-bit types, the file's size for the rest)."""
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,8 @@ class Variant:
     blocks: tuple[str, ...]                            # tensors kept as raw GGUF blocks (uint8 slots)
 
     def as_dict(self) -> dict:
-        return {"layout": self.layout.as_dict(), "weights": [list(w) for w in self.weights], "blocks": list(self.blocks)}
+        return {"layout": self.layout.as_dict(), "weights": [list(w) for w in self.weights],
+                "blocks": list(self.blocks)}
 
 
 def kernel_cache_path(gguf, root: Path) -> Path:
@@ -110,7 +112,7 @@ def build_kernel_cache(gguf, path: Path, on_status=None) -> None:
             layout.pack_into(buffer[:layout.num_bytes], tensors)
             writer.append(buffer[:layout.num_bytes])
     if on_status:
-        mixed = f" ({len(found)} layer variants; raw blocks of the types the kernel takes not)" if len(found) > 1 else ""
+        mixed = f" ({len(found)} layer variants)" if len(found) > 1 else ""
         on_status(f"GGUF layers stored in this CPU's int4 kernel layout once ({path.stat().st_size / 2**20:.0f} MiB "
                   f"in {time.perf_counter() - started:.1f} s, model cache{mixed}): streamed layers skip the repack")
 

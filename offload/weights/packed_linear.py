@@ -14,9 +14,11 @@ GGUF blocks map onto it with group 32, exactly before the bf16 rounding of scale
     Q4_K  w = (d sc_j) q - (dmin m_j)     scale d sc_j,     zero 8 d sc_j - dmin m_j    per sub-block j of 32
     Q8_0  w = d * q, q int8 = 16 hi + lo: two products over K, summed in one by doubling K (x' = [x, x]):
           hi = (q >> 4) + 8 with scale 16d, zero 0; lo = q & 15 with scale d, zero 8d
-    Q6_K  w = (d sc_j)(q - 32), q = 16 hi + lo in 0..63, sub-block j of 16: one group of 32 per sub-block, its
-          16 codes hi + 6 against 16 x and its 16 codes lo against x (x' = [16 x_j, x_j] per sub-block: 16 x is
-          exact in bf16), scale d sc_j, zero 8 d sc_j / 17: 16 (hi - 2) + (lo - 8) + 17 * 8 / 17 = q - 32
+    5- and 6-bit types, w = s q + b per 16 weights (Q5_0: s = d, b = -16d; Q5_1: d, m; Q5_K: d sc_j, -dmin m_j;
+          Q6_K: d sc_j, -32 d sc_j), q = 16 hi + lo: one group of 32 per 16 weights, its 16 codes hi + c against
+          16 x and its 16 codes lo against x (x' = [16 x_j, x_j] per 16: 16 x is exact in bf16), scale s and zero
+          z = (b + s (136 - 16c)) / 17, since 16 (hi + c - 8) + (lo - 8) = q + 16c - 136 and the zero meets 17 x;
+          c = 8 - 2^(bits - 5) centres the high codes (Q6_K: c = 6, z = 8 s / 17)
 
 Error against decode-then-fp32 (tests/test_packed_linear.py states the bound it checks): activations,
 scales and zeros rounded to bf16 (relative 2^-8 each: bf16 keeps 8 significant bits) and the output rounded
@@ -32,13 +34,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from offload.weights.gguf_blocks import (_half, _nibbles, _scale_min_k4, _two_halves, _word_nibbles, dequantize,
-                                         packed_nbytes, six_bit_codes)
+from offload.weights.gguf_blocks import (_half, _nibbles, _q5_quants, _scale_min_k4, _two_halves, _word_nibbles,
+                                         dequantize, five_bit_k_codes, packed_nbytes, six_bit_codes)
 from offload.weights.ggml_types import QUANT_SIZES, GGMLType as T
 
 GROUP = 32
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K)
-SUB_BLOCK = 16               # Q6_K's sub-block: an input chunk taken as [16 x, x] (Int4Weight.interleave)
+KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)
+WIDE_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)   # 5/6-bit codes as a high and a low code (Int4Weight.interleave)
+SUB_BLOCK = 16               # their weights per group: an input chunk taken as [16 x, x]
 REPACK_CODES = 1 << 20       # codes repacked at once: every temporary stays cache-sized (as gguf_blocks decodes)
 ROW_MULTIPLE = 16            # the kernel's N must be a multiple of 16
 HEAD_CHUNK = 4096            # output rows recomputed at once
@@ -71,8 +74,8 @@ class Int4Weight:
     codes: Tensor            # [N, K * repeat / 2] uint8, the running CPU's packed layout
     scale_zeros: Tensor      # [K * repeat / 32, N, 2] bf16
     shape: tuple[int, int]   # (N, K), the logical weight's
-    repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products; Q6_K's)
-    interleave: bool = False  # the doubled input is [16 x, x] per sub-block of 16 (Q6_K), not [x, x] (Q8_0)
+    repeat: int = 1          # 2: the input is doubled along K (Q8_0's high and low nibble products; WIDE_TYPES')
+    interleave: bool = False  # the doubled input is [16 x, x] per 16 (WIDE_TYPES), not [x, x] (Q8_0)
     is_row_exact = True      # a row's result never depends on the other rows (the layer attends to match)
 
     def matmul(self, x: Tensor) -> Tensor:
@@ -171,8 +174,8 @@ def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
 
 def _form(qtype: int) -> tuple[int, bool]:
     """(repeat, interleave) of an Int4Weight of this GGUF type: how its input is widened."""
-    qtype = int(qtype)
-    return (2, qtype == int(T.Q6_K)) if qtype in (int(T.Q8_0), int(T.Q6_K)) else (1, False)
+    wide = int(qtype) in [int(t) for t in WIDE_TYPES]
+    return (2, wide) if wide or int(qtype) == int(T.Q8_0) else (1, False)
 
 
 def _empty(num_out: int, num_in: int, repeat: int = 1, interleave: bool = False,
@@ -275,11 +278,35 @@ def _q8_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             torch.cat([torch.zeros_like(d), 8 * d], dim=1))
 
 
+def _wide(q: Tensor, scale: Tensor, base: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes q [n, 16 k] in 0..2^bits - 1 with w = scale * q + base per 16 (scale, base [n, k]) -> one group of 32
+    per 16 weights: its high codes + c, then its low ones (module docstring)."""
+    c = 8 - 2 ** (bits - 5)
+    q = q.view(q.shape[0], -1, 1, SUB_BLOCK)                                       # [n, k, 1, 16]
+    codes = torch.cat([(q >> 4).add_(c), q & 0x0F], dim=2)                         # [n, k, 2, 16]
+    return codes.view(q.shape[0], -1, GROUP), scale, (base + scale * (136 - 16 * c)) / 17
+
+
+def _q5_0(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d = _half(blocks, 0).expand(-1, 2)                                            # [n, 2]
+    return _wide(_q5_quants(blocks[:, 2:6], blocks[:, 6:]), d, -16 * d, 5)
+
+
+def _q5_1(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d, m = _half(blocks, 0).expand(-1, 2), _half(blocks, 2).expand(-1, 2)        # [n, 2] each
+    return _wide(_q5_quants(blocks[:, 4:8], blocks[:, 8:]), d, m, 5)
+
+
+def _q5_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    d_dmin = _two_halves(blocks).unsqueeze(-1)                                   # [n, 2, 1]
+    scale, shift = (d_dmin * _scale_min_k4(blocks[:, 4:16]).float()).unbind(1)    # [n, 8] each: per 32
+    return _wide(five_bit_k_codes(blocks), scale.repeat_interleave(2, 1), -shift.repeat_interleave(2, 1), 5)
+
+
 def _q6_k(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    q = six_bit_codes(blocks).view(-1, 16, 1, SUB_BLOCK)                        # [n, 16 sub-blocks, 1, 16] 0..63
-    codes = torch.cat([(q >> 4).add_(6), q & 0x0F], dim=2)                        # [n, 16, 2, 16]: hi + 6, lo
     scale = _half(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()      # [n, 16]
-    return codes.view(-1, 16, GROUP), scale, scale * (8 / 17)
+    return _wide(six_bit_codes(blocks), scale, -32 * scale, 6)
 
 
-_GROUPS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q8_0: _q8_0, T.Q6_K: _q6_k}
+_GROUPS = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q5_K: _q5_k,
+           T.Q6_K: _q6_k}
