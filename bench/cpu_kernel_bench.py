@@ -227,7 +227,8 @@ def stream(target: str | None, repeats: int) -> dict:
             "repack_over_decode": round(layer["packed"] / layer["dense"], 3)}
 
 
-def quality(models: dict, target: str | None, tokens_per_domain: int, new_tokens: int, spec_prompts: int) -> dict:
+def quality(models: dict, target: str | None, tokens_per_domain: int, new_tokens: int, spec_prompts: int,
+            draft_target: str | None) -> dict:
     from bench.quant_bench import QuantBenchConfig, heldout_texts
     from quant.perplexity import PerplexityConfig, perplexity
     from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
@@ -241,7 +242,8 @@ def quality(models: dict, target: str | None, tokens_per_domain: int, new_tokens
                    for ids in _chat_ids(m.tokenizer)] for k, m in models.items()}
     identical = sum(a == b for a, b in zip(answers["dense"], answers["packed"]))
     target_model = models["packed"]
-    draft = load_any_draft(str(default_draft_for(target)), target_model, LoadOptions(device="cpu", max_context=2048))
+    draft = load_any_draft(str(default_draft_for(draft_target)), target_model,
+                           LoadOptions(device="cpu", max_context=2048))
     speculative = Decoder(target_model.model, target_model.stop_ids, decode_config,
                           Speculator(draft, 2048, 16), FixedBudget(16))
     spec_same = [speculative.generate(ids, SamplingConfig()).token_ids == answers["packed"][i]
@@ -266,8 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-synthetic", default=None, metavar="TYPE",
                         help="stream: bench stream's synthetic GGUF of this type (q4_k, q8_0: 8x the default's shapes, "
                              "2.5 GB of layers) instead of --target")
+    parser.add_argument("--requantize", default=None, metavar="TYPE",
+                        help="the default model with its decoder matrices requantized to TYPE (q5_0, q5_1) as --target")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    draft_target = args.target
+    if args.requantize:
+        from bench.synthetic_gguf import requantized_default
+        args.target, draft_target = str(requantized_default(args.requantize, print)), None   # the default's draft
     parts = args.parts.split(",")
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -292,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             target = str(path)
         result["stream"] = stream(target, args.repeats)
     if "quality" in parts:
-        result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts)
+        result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts,
+                                    draft_target)
     summary = "cpu-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in parts)
     text = json.dumps(result, indent=1)
     if args.out:

@@ -196,6 +196,52 @@ def named_target(shape_name: str, type_name: str, on_status: Callable[[str], Non
     return path, {"type": type_name, "shape": shape_name, **_described(path, shape)}
 
 
+REQUANTIZABLE = {"q5_0": T.Q5_0, "q5_1": T.Q5_1}     # types gguf.quants.quantize writes beyond the 4/8-bit ones
+
+
+def requantized_default(type_name: str, on_status: Callable[[str], None] = lambda m: None) -> Path:
+    """The default model with its decoder matrices decoded and quantized again to `type_name` (gguf.quants'
+    reference quantizer), everything else as the file has it: a real model's weights in a type it does not ship
+    in, for quality figures (perplexity, greedy answers). Made once, cached under $SPECSTREAM_CACHE/bench_gguf/."""
+    if type_name not in REQUANTIZABLE:
+        raise ValueError(f"requantized type {type_name!r}: choose one of {', '.join(REQUANTIZABLE)}")
+    source = Path(default_model_gguf())
+    path = cache_root() / "bench_gguf" / f"{source.stem}-requantized-{type_name}.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    on_status(f"writing {path.name} (the default model's matrices requantized to {type_name}, once)")
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        _write_requantized(source, tmp, REQUANTIZABLE[type_name])
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
+def _write_requantized(source: Path, path: Path, qtype: T) -> None:
+    import torch
+    from offload.weights.gguf_blocks import dequantize, quantize_reference
+    reader = GGUFReader(source)
+    writer = GGUFWriter(path, ARCH)
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        data, tensor_type = tensor.data, T(tensor.tensor_type)
+        shape = tuple(int(n) for n in reversed(tensor.shape))                  # torch order: [rows, cols]
+        if tensor.name.startswith("blk.") and len(shape) == 2:
+            dense = dequantize(torch.from_numpy(np.array(data)).view(-1), tensor_type, shape)
+            data, tensor_type = quantize_reference(qtype, dense.numpy()).reshape(shape[0], -1), qtype
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor_type)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+
+
 def _described(path: Path, shape: SyntheticShape) -> dict:
     return {"file": path.name, "file_bytes": path.stat().st_size, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.intermediate_size, "num_heads": shape.num_heads,
