@@ -86,16 +86,16 @@ def variants(gguf) -> tuple[list[Variant], list[int]]:
     return found, of_layer
 
 
-def kernel_layout(gguf) -> LayerLayout:
-    """The layout streaming sees: one uint8 slot as large as the largest variant."""
-    size = max(variant.layout.num_bytes for variant in variants(gguf)[0])
+def kernel_layout(gguf, found: list[Variant] | None = None) -> LayerLayout:
+    """The layout streaming sees: one uint8 slot as large as the largest variant (of `found`, else the GGUF's)."""
+    size = max(variant.layout.num_bytes for variant in found or variants(gguf)[0])
     return LayerLayout((TensorSlot(BLOB, torch.uint8, (size,), 0),), -(-size // ALIGNMENT) * ALIGNMENT)
 
 
-def build_kernel_cache(gguf, path: Path, on_status=None) -> None:
-    """Repacks every layer once and writes them (atomically: a temporary file renamed into place)."""
+def build_kernel_cache(gguf, path: Path, found: list[Variant], of_layer: list[int], on_status=None) -> None:
+    """Repacks every layer once and writes them (atomically: a temporary file renamed into place); `found` and
+    `of_layer` are variants(gguf)."""
     started = time.perf_counter()
-    found, of_layer = variants(gguf)
     metadata = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION),
                 "variants": json.dumps([v.as_dict() for v in found]), "layer_variants": json.dumps(of_layer)}
     specs = {f"layer.{i}": (torch.uint8, (found[v].layout.num_bytes,)) for i, v in enumerate(of_layer)}
@@ -117,10 +117,9 @@ def build_kernel_cache(gguf, path: Path, on_status=None) -> None:
                   f"in {time.perf_counter() - started:.1f} s, model cache{mixed}): streamed layers skip the repack")
 
 
-def _check_room(gguf, path: Path) -> None:
+def _check_room(path: Path, found: list[Variant], of_layer: list[int]) -> None:
     """Refuses (OSError) a file the disk would hold with less than a tenth of its size to spare."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    found, of_layer = variants(gguf)
     needed = sum(found[v].layout.num_bytes for v in of_layer)
     free = shutil.disk_usage(path.parent).free
     if free < needed * 1.1:
@@ -135,13 +134,12 @@ class KernelCachedSource:
     def __init__(self, gguf, path: Path) -> None:
         self.gguf, self.config, self.path = gguf, gguf.config, Path(path)
         self._file = SafetensorsFile(self.path)
-        self._variants, self._of_layer = self._check()
-        self._layout = kernel_layout(gguf)
+        self._variants, self._of_layer = self._check(*variants(gguf))
+        self._layout = kernel_layout(gguf, self._variants)
 
-    def _check(self) -> tuple[list[Variant], list[int]]:
+    def _check(self, found: list[Variant], of_layer: list[int]) -> tuple[list[Variant], list[int]]:
         """The file's variants must be those of the GGUF's layers, and each layer's bytes its variant's size."""
         meta = self._file.metadata
-        found, of_layer = variants(self.gguf)
         try:
             if meta.get("format") != CACHE_FORMAT or meta.get("version") != str(CACHE_VERSION):
                 raise ValueError("not a kernel layer cache of this version")
@@ -197,12 +195,12 @@ class KernelCachedSource:
 def open_kernel_cache(gguf, root: Path, on_status=None) -> KernelCachedSource | None:
     """The GGUF's layers from the kernel cache (made where missing or damaged); None where it cannot be (the
     layers then repack per pass, and a status line says why)."""
-    path = kernel_cache_path(gguf, root)
+    path, (found, of_layer) = kernel_cache_path(gguf, root), variants(gguf)
     for attempt in range(2):
         try:
             if attempt or not path.is_file():
-                _check_room(gguf, path)
-                build_kernel_cache(gguf, path, on_status)
+                _check_room(path, found, of_layer)
+                build_kernel_cache(gguf, path, found, of_layer, on_status)
             return KernelCachedSource(gguf, path)
         except (OSError, ValueError) as err:        # CorruptCheckpointError is a ValueError: made again, once
             error = err
