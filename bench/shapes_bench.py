@@ -44,11 +44,14 @@ class ShapesBenchConfig:
     threads: int = 2
     timeout: int = 1800              # seconds per child process
     omp_wait_policy: str = "PASSIVE"  # every child's OMP_WAIT_POLICY ("default": the environment's, as a user runs)
+    resident_kernels: tuple[str, ...] = ("packed",)   # and "ggml": ggml's kernels through llama.cpp's libggml
 
     def __post_init__(self) -> None:
         unknown = set(self.shapes) - set(GOALS)
         if unknown:
             raise ValueError(f"shapes {sorted(unknown)}: choose from {', '.join(GOALS)}")
+        if set(self.resident_kernels) - {"packed", "ggml"} or not self.resident_kernels:
+            raise ValueError(f"resident kernels: packed, ggml; got {self.resident_kernels}")
         if self.omp_wait_policy not in ("default", "PASSIVE", "ACTIVE"):
             raise ValueError(f"omp_wait_policy must be default, PASSIVE or ACTIVE, got {self.omp_wait_policy!r}")
         if self.new_tokens < 2 or self.rounds < 1 or self.stream_steps < 1 or self.prefill_tokens < 16:
@@ -88,6 +91,15 @@ def prompt_ids(count: int) -> tuple[list[int], list[int]]:
     return chat, tokenizer.encode(documentation_prose(0))[:count]
 
 
+def ggml_library(python: Path | None) -> str | None:
+    """The libggml folder of the llama.cpp environment (for our `--cpu-kernel ggml` child), if it has one."""
+    if python is None:
+        return None
+    code = "import importlib.util as u; s = u.find_spec('llama_cpp'); print(list(s.submodule_search_locations)[0])"
+    found = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return str(Path(found.stdout.strip()) / "lib") if found.returncode == 0 else None
+
+
 def _child(cmd: list[str], timeout: int, policy: str) -> dict:
     # PASSIVE as bench/peers.py (no spinning on a shared machine); "default" leaves the environment as a user has it
     env = {**os.environ, **({} if policy == "default" else {"OMP_WAIT_POLICY": policy})}
@@ -107,7 +119,12 @@ def run_llama(python: Path, path: Path, ids: dict, config: ShapesBenchConfig) ->
                   config.timeout, config.omp_wait_policy)
 
 
-def run_ours(path: Path, ids: dict, config: ShapesBenchConfig, tier: str, kernel: str = "packed") -> dict:
+def run_ours(path: Path, ids: dict, config: ShapesBenchConfig, tier: str, kernel: str = "packed",
+             ggml_lib: str | None = None) -> dict:
+    if kernel == "ggml" and ggml_lib is None and not os.environ.get("SPECSTREAM_GGML_LIB"):
+        return {"error": "no libggml: no llama.cpp environment with llama-cpp-python"}
+    if kernel == "ggml" and ggml_lib:
+        os.environ.setdefault("SPECSTREAM_GGML_LIB", ggml_lib)                 # the child inherits it
     cfg = {**ids, "path": str(path), "tier": tier, "kernel": kernel, "threads": config.threads,
            "max_context": config.prefill_tokens + config.new_tokens + 64, "new_tokens": config.new_tokens,
            "warmup_tokens": config.warmup_tokens, "stream_steps": config.stream_steps}
@@ -127,19 +144,25 @@ def _median_of(runs: list[dict]) -> dict:
 
 def measure_file(shape: str, path: Path, info: dict, ids: dict, config: ShapesBenchConfig, python: Path | None,
                  on_status: Callable[[str], None]) -> dict:
-    runs: dict[str, list[dict]] = {"llama_cpp": [], "ours": []}
+    runs: dict[str, list[dict]] = {"llama_cpp": [], **{kernel: [] for kernel in config.resident_kernels}}
     for index in range(config.rounds):
         if python:
             on_status(f"{info['file']}: llama.cpp, round {index + 1}/{config.rounds}")
             runs["llama_cpp"].append(run_llama(python, path, ids, config))
-        on_status(f"{info['file']}: ours resident, round {index + 1}/{config.rounds}")
-        runs["ours"].append(run_ours(path, ids, config, "resident"))
+        for kernel in config.resident_kernels:
+            on_status(f"{info['file']}: ours resident ({kernel}), round {index + 1}/{config.rounds}")
+            runs[kernel].append(run_ours(path, ids, config, "resident", kernel, ggml_library(python)))
     row = {**info, "llama_cpp": _median_of(runs["llama_cpp"]) if python else {"skipped": "no llama-cpp-python"},
-           "ours_resident": _median_of(runs["ours"]), "streamed": {}}
+           "ours_resident": _median_of(runs[config.resident_kernels[0]]), "streamed": {}}
+    if "ggml" in config.resident_kernels[1:]:
+        row["ours_resident_ggml"] = _median_of(runs["ggml"])
+        theirs = row["llama_cpp"].get("tokens_per_second")
+        if theirs and "tokens_per_second" in row["ours_resident_ggml"]:
+            row["ours_ggml_over_llama_cpp"] = round(row["ours_resident_ggml"]["tokens_per_second"] / theirs, 3)
     for tier in config.stream_tiers:
         for kernel in config.stream_kernels:
             on_status(f"{info['file']}: ours streamed from {tier}, {kernel}")
-            row["streamed"][f"{tier}_{kernel}"] = run_ours(path, ids, config, tier, kernel)
+            row["streamed"][f"{tier}_{kernel}"] = run_ours(path, ids, config, tier, kernel, ggml_library(python))
     row["bytes_per_token"] = token_bytes(path)
     row.update(verdict(row, GOALS[shape]))
     return row
@@ -174,14 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds", "stream_steps", "threads", "timeout"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--stream-tiers", default=",".join(defaults.stream_tiers), help="ram, disk (none: '')")
-    parser.add_argument("--stream-kernels", default=",".join(defaults.stream_kernels), help="dense, packed")
+    parser.add_argument("--stream-kernels", default=",".join(defaults.stream_kernels), help="dense, packed, ggml")
+    parser.add_argument("--resident-kernels", default=",".join(defaults.resident_kernels),
+                        help="packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml)")
     parser.add_argument("--omp-wait-policy", default=defaults.omp_wait_policy, choices=("default", "PASSIVE", "ACTIVE"),
                         help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     config = ShapesBenchConfig(_tuple(args.shapes), _tuple(args.types), args.new_tokens, args.warmup_tokens,
                                args.prefill_tokens, args.rounds, args.stream_steps, _tuple(args.stream_tiers),
-                               _tuple(args.stream_kernels), args.threads, args.timeout, args.omp_wait_policy)
+                               _tuple(args.stream_kernels), args.threads, args.timeout, args.omp_wait_policy,
+                               _tuple(args.resident_kernels))
     result = {"command": " ".join(["python -m bench.shapes_bench", *(argv if argv is not None else sys.argv[1:])]),
               **run_shapes_bench(config, lambda m: print(m, file=sys.stderr, flush=True))}
     text = json.dumps(result, indent=1)

@@ -1,7 +1,7 @@
 """Our engine's side of bench/shapes_bench.py, one child process per measurement (no engine sees another's
 memory, mappings or threads): `python -m bench.shapes_ours --cfg JSON` prints one JSON line.
 
-resident  every layer resident, --cpu-kernel packed: greedy one-token steps after the prompt (prefill
+resident  every layer resident, the cfg's kernel (packed, ggml): greedy one-token steps after the prompt (prefill
           untimed, as bench/llama_cpp_runner.py times llama.cpp), a profile of those steps (the int4
           kernel's time per token against the rest), then one timed 512-token prefill from an empty cache
 ram/disk  every layer streamed from host RAM, or from the file with the page cache dropped before each
@@ -78,7 +78,7 @@ def _products(prof, num_steps: int) -> dict:
 
 
 def resident(cfg: dict) -> dict:
-    loaded, load_seconds = _load(cfg, "resident", "packed")
+    loaded, load_seconds = _load(cfg, "resident", cfg["kernel"])
     num_steps = cfg["new_tokens"] - 1
     run = greedy_steps(loaded.model, cfg["prompt_ids"], num_steps + 1)           # num_steps one-token passes
     warmup = greedy_steps(loaded.model, cfg["prompt_ids"], cfg["warmup_tokens"])

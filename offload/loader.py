@@ -28,7 +28,7 @@ from offload.weights.source import WeightSource
 from offload.weights.row_split import PromptRouting
 
 
-CPU_KERNELS = ("dense", "packed")
+CPU_KERNELS = ("dense", "packed", "ggml")
 # The commands' default (run, chat, batch, serve; RuntimeConfig): packed held perplexity (-0.03 to -0.14% on
 # held-out code, prose, math) and exact speculation, at 3.7x dense decode speed (bench/results/cpu_kernel_*.json).
 # A library load (LoadOptions) keeps the exact fp32 decode, the one tests compare with transformers.
@@ -59,7 +59,9 @@ class LoadOptions:
     gguf_import: bool = False       # a GGUF is dequantized once to a safetensors folder rather than run in place
     direct_reads: bool = True       # disk-tier reads with O_DIRECT where the file system allows it; else buffered
     # On the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 matrices: "packed" multiplies them as stored with torch's
-    # int4 kernel in bf16 (offload/weights/packed_linear.py), "dense" decodes them to fp32 (exact to gguf.quants)
+    # int4 kernel in bf16 (offload/weights/packed_linear.py), "ggml" with ggml's kernels from the blocks in place
+    # (offload/weights/ggml_linear.py: needs llama-cpp-python's libggml; SpQR checkpoints stay on the int4
+    # kernel), "dense" decodes them to fp32 (exact to gguf.quants)
     cpu_kernel: str = "dense"
     substitute_layer_bytes: int = 0 # a self-draft's low-bit copy of each streamed layer, kept on the device
 
@@ -137,6 +139,7 @@ def _request_for(options: LoadOptions, streamed: bool = False) -> PlanRequest:
     path = resolve_model(options.model, options.allow_download, gguf_import=options.gguf_import)
     source = open_source(path, ModelConfig.from_file(path), options.formats)
     device = choose_device(options.device)
+    _choose_kernel(source, options, device)
     dtype = choose_dtype(options.dtype, device)
     global_bytes = _global_bytes(source, dtype)
     if on_packed_kernel(source, options, device):    # the output matrix packed beside the dense embedding
@@ -167,7 +170,13 @@ class Engine:
 
 
 def on_packed_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
-    return device.type == "cpu" and options.cpu_kernel == "packed" and hasattr(source, "kernel_layer")
+    return device.type == "cpu" and options.cpu_kernel in ("packed", "ggml") and hasattr(source, "kernel_layer")
+
+
+def _choose_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> None:
+    """A GGUF on the CPU with `--cpu-kernel ggml` multiplies through ggml (GgmlMissingError if it is absent)."""
+    if device.type == "cpu" and options.cpu_kernel == "ggml" and hasattr(source, "use_ggml"):
+        source.use_ggml()
 
 
 # One packed layer's decode time over its transfer time, by device (is CUDA), for the planner's choice of
@@ -184,6 +193,7 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
     keep_freed_host_memory()
     config = source.config
     device = choose_device(options.device)
+    _choose_kernel(source, options, device)
     dtype = choose_dtype(options.dtype, device)
     globals_ = to_device(source.global_tensors(), device, dtype)
     global_bytes = sum(t.numel() * t.element_size() for t in globals_.values())
@@ -210,7 +220,7 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
 
 def _on_kernel_cache(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
     """Whether layers this load streams are read from the GGUF's kernel layer cache (weights/kernel_cache.py)."""
-    return on_packed_kernel(source, options, device) and kernel_cache.serves(source)
+    return on_packed_kernel(source, options, device) and options.cpu_kernel == "packed" and kernel_cache.serves(source)
 
 
 def _streams(request: PlanRequest, cached: PlanRequest) -> bool:

@@ -69,3 +69,11 @@ def test_the_wait_policy_is_one_openmp_knows():
     assert ShapesBenchConfig(omp_wait_policy="default").omp_wait_policy == "default"
     with pytest.raises(ValueError, match="omp_wait_policy must be default, PASSIVE or ACTIVE"):
         ShapesBenchConfig(omp_wait_policy="spin")
+
+
+def test_resident_kernels_are_packed_or_ggml():
+    from bench.shapes_bench import ShapesBenchConfig
+    assert ShapesBenchConfig(resident_kernels=("packed", "ggml")).resident_kernels == ("packed", "ggml")
+    for kernels in (("int3",), ()):
+        with pytest.raises(ValueError, match="resident kernels: packed, ggml"):
+            ShapesBenchConfig(resident_kernels=kernels)

@@ -18,7 +18,7 @@ from offload.model.kvcache import KVCache
 from offload.model.layers import decoder_layer, linear, rms_norm
 from offload.model.masks import apply_sliding_window, causal_mask
 from offload.model.rope import Rotary
-from offload.weights.row_split import PromptRouting, split_rows
+from offload.weights.row_split import PromptRouting, split_rows, whole_rows
 
 
 class LayerProvider(Protocol):
@@ -86,7 +86,7 @@ class DecoderModel:
         dense = getattr(self.layers, "dense", None) if dense_chunks else None
         try:
             for index in range(self.config.num_layers):
-                w = self.layers.get(index)
+                w = whole_rows(self.layers.get(index), fast_chunks)
                 dense_layer = dense(index) if dense else None
                 if dense_layer is not None:
                     w = split_rows(w, dense_layer, dense_chunks)

@@ -29,7 +29,7 @@ from offload.weights.gguf_header import CorruptGgufError, GgufTensorInfo, read_h
 from offload.weights.gguf_model import check_model_metadata
 from offload.weights.gguf_names import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, PERMUTED_LAYER_NAMES,
                                         SUPPORTED_GGUF_ARCHITECTURES)
-from offload.weights import packed_linear
+from offload.weights import ggml_linear, packed_linear
 from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.weights.safetensors_io import TensorEntry
 from offload.weights.source import layer_tensor_names
@@ -58,6 +58,7 @@ class GgufSource:
         self._layers = [self._layer_infos(i) for i in range(config.num_layers)]
         self._globals = self._global_infos()
         self._layout = self._packed_layout()
+        self.kernel = packed_linear           # the CPU's product of a GGUF's blocks: torch's int4 kernel, or ggml's
         with open(self.path, "rb") as handle:   # copy-on-write: tensors are views, the file is never written
             self._map = mmap.mmap(handle.fileno(), header.file_size, access=mmap.ACCESS_COPY)
         self._workspaces: dict[tuple, dict[str, Tensor]] = {}   # the shared one per device, one per ring slot
@@ -191,30 +192,40 @@ class GgufSource:
         """Bytes of all decoder layers as stored (what one pass streams when every layer streams)."""
         return sum(info.num_bytes for layer in self._layers for info in layer.values())
 
-    # the CPU's int4 kernel (packed_linear) -------------------------------------------------------------
+    # the CPU's packed product (packed_linear: torch's int4 kernel; ggml_linear: ggml's) ---------------------
+    def use_ggml(self) -> None:
+        """Multiplies on the CPU through ggml's kernels from the blocks in place (GgmlMissingError without it)."""
+        ggml_linear.ggml()
+        self.kernel = ggml_linear
+
     def kernel_split(self, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Layer `index`'s tensor names: (the matrices the int4 kernel takes, the rest: decoded before use)."""
         infos = self._layers[index]
-        kernel = tuple(name for name, info in infos.items() if packed_linear.takes(info.qtype, info.shape))
+        kernel = tuple(name for name, info in infos.items() if self.kernel.takes(info.qtype, info.shape))
         return kernel, tuple(name for name in infos if name not in kernel)
 
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
                      shared: bool = False) -> dict:
         """A layer for the CPU: the matrices the int4 kernel takes repacked from their blocks (Int4Weight, made
         anew: no dense copy), the rest decoded as decode_layer does. stored None: read from the file, the rest
-        decoded into fresh tensors (a resident layer)."""
+        decoded into fresh tensors (a resident layer; ggml's matrices copied out of the mapped file, which the
+        page cache could drop)."""
         kernel, rest = self.kernel_split(index)
         if stored is None:
             stored = self.layer(index)
+            if self.kernel is ggml_linear:   # (a repacked matrix is ggml's own copy already)
+                infos = self._layers[index]
+                stored = {name: value.clone() if name in kernel and not ggml_linear.repacks(infos[name].qtype)
+                          else value for name, value in stored.items()}
             layer = self._decode(index, stored, self._empty_layer(torch.device("cpu"), dtype, rest))
         else:
             layer = self.decode_blocks(index, {name: stored[name] for name in rest}, dtype, shared)
         return {**layer, **self.kernel_weights(index, stored)}
 
-    def kernel_weights(self, index: int, stored: dict[str, Tensor]) -> dict[str, packed_linear.Int4Weight]:
+    def kernel_weights(self, index: int, stored: dict[str, Tensor]) -> dict:
         """Layer `index`'s kernel matrices repacked from their raw blocks in `stored` (q/k/v, gate/up fused)."""
         infos = self._layers[index]
-        return packed_linear.from_gguf_layer({name: (self._rows(name, infos[name], stored[name]), infos[name].qtype,
+        return self.kernel.from_gguf_layer({name: (self._rows(name, infos[name], stored[name]), infos[name].qtype,
                                                      infos[name].shape) for name in self.kernel_split(index)[0]})
 
     def decode_blocks(self, index: int, blocks: dict[str, Tensor], dtype: torch.dtype,
@@ -229,7 +240,7 @@ class GgufSource:
         repacked."""
         infos, (kernel, rest) = self._layers[index], self.kernel_split(index)
         return {**{name: torch.empty(infos[name].shape, dtype=dtype, device="meta") for name in rest},
-                **packed_linear.empty_layer({name: (infos[name].qtype, infos[name].shape) for name in kernel}, "meta")}
+                **self.kernel.empty_layer({name: (infos[name].qtype, infos[name].shape) for name in kernel}, "meta")}
 
     def block_bytes(self, index: int, name: str) -> int:
         """Bytes of layer `index`'s tensor `name` as stored in the file."""
@@ -238,32 +249,33 @@ class GgufSource:
     def kernel_head(self) -> packed_linear.Int4Head | None:
         """The output matrix (lm_head, else the tied embedding) for the int4 kernel, or None if it takes not."""
         info = self._globals.get("lm_head", self._globals["embed"])
-        if not packed_linear.takes(info.qtype, info.shape):
+        if not self.kernel.takes(info.qtype, info.shape):
             return None
-        raw = self._raw(info)
-        return packed_linear.Int4Head(packed_linear.from_gguf(raw, info.qtype, info.shape),
-                                      raw.view(info.shape[0], -1), info.qtype)
+        weight = self.kernel.from_gguf(self._raw(info), info.qtype, info.shape)
+        raw = weight.raw if self.kernel is ggml_linear else self._raw(info)     # ggml's: the blocks it multiplies
+        return packed_linear.Int4Head(weight, raw.view(info.shape[0], -1), info.qtype)
 
     def kernel_head_bytes(self, dtype: torch.dtype) -> int:
         """What the packed output matrix adds to the dense globals (a dense lm_head it replaces subtracted)."""
         info = self._globals.get("lm_head", self._globals["embed"])
-        if not packed_linear.takes(info.qtype, info.shape):
+        if not self.kernel.takes(info.qtype, info.shape):
             return 0
         replaced = math.prod(info.shape) * dtype.itemsize if "lm_head" in self._globals else 0
-        return packed_linear.kernel_bytes(info.qtype, info.shape) - replaced
+        return self.kernel.kernel_bytes(info.qtype, info.shape) - replaced
 
     def kernel_layer_bytes(self, dtype: torch.dtype) -> int:
         """The most bytes a layer holds for the CPU's kernel (its other tensors decoded in `dtype`)."""
-        return max(sum(packed_linear.kernel_bytes(info.qtype, info.shape) if packed_linear.takes(info.qtype, info.shape)
+        return max(sum(self.kernel.kernel_bytes(info.qtype, info.shape) if self.kernel.takes(info.qtype, info.shape)
                        else math.prod(info.shape) * dtype.itemsize for info in layer.values()) for layer in self._layers)
 
     def kernel_summary(self) -> str:
         """The status line of a CPU run on the int4 kernel: which matrices it multiplies, which are decoded."""
         head = self._globals.get("lm_head", self._globals["embed"])
         matrices = [head] + [info for layer in self._layers for info in layer.values() if len(info.shape) == 2]
-        taken = Counter(info.type_name for info in matrices if packed_linear.takes(info.qtype, info.shape))
-        decoded = Counter(info.type_name for info in matrices if not packed_linear.takes(info.qtype, info.shape))
-        line = "CPU packed int4 kernel: " + (", ".join(f"{n} x{c}" for n, c in taken.most_common()) or "no matrix")
+        taken = Counter(info.type_name for info in matrices if self.kernel.takes(info.qtype, info.shape))
+        decoded = Counter(info.type_name for info in matrices if not self.kernel.takes(info.qtype, info.shape))
+        line = "CPU ggml kernels: " if self.kernel is ggml_linear else "CPU packed int4 kernel: "
+        line += ", ".join(f"{n} x{c}" for n, c in taken.most_common()) or "no matrix"
         return line + ("; decoded to dense (the kernel takes not): " + ", ".join(
             f"{n} x{c}" for n, c in decoded.most_common()) if decoded else "")
 

@@ -77,6 +77,35 @@ class RowSplitWeight:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+@dataclass(slots=True)
+class WholeRowsWeight:
+    """A weight that multiplies a few rows a call to keep every row's bits (ggml_linear's K-quants), its prompt
+    chunks' rows in one call each: prompt rows need no one-token pass's bits (above)."""
+    weight: object               # has matmul and matmul_whole (x [..., K]) -> [..., N]
+    chunks: list[Chunk]          # rows in one call, in order, disjoint
+    is_row_exact = True          # the rows outside the chunks are
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [B, T, K] -> [B, T, N]."""
+        parts, row = [], 0
+        for first, end in self.chunks:
+            if first > row:
+                parts.append(self.weight.matmul(x[:, row:first]))
+            parts.append(self.weight.matmul_whole(x[:, first:end]))
+            row = end
+        if row < x.shape[1]:
+            parts.append(self.weight.matmul(x[:, row:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def whole_rows(layer: dict, chunks: list[Chunk]) -> dict:
+    """A layer's weights that cut rows for their bits (those with matmul_whole) wrapped to take `chunks` whole."""
+    if not chunks:
+        return layer
+    return {name: WholeRowsWeight(value, chunks) if hasattr(value, "matmul_whole") else value
+            for name, value in layer.items()}
+
+
 def split_rows(packed: dict, dense: dict[str, Tensor], chunks: list[Chunk]) -> dict:
     """A layer's packed weights, each wrapped to multiply the rows of `chunks` by its dense matrices; tensors and
     weights with no dense counterpart as they are."""

@@ -1,0 +1,315 @@
+"""GGUF matrices multiplied by ggml's own CPU kernels, from their blocks in place (`--cpu-kernel ggml`).
+
+torch's int4 kernel (packed_linear) reads 5 bits a weight and is slower per byte on x86 than ggml's dot products
+of the file's blocks with 8-bit activations: on the 1B shape's products at one row, 2 cores, ggml's took 18 ms a
+token against the int4 kernel's 32 (Q4_K), 38 (Q4_K_M), bench/results/cpu_products_vs_ggml.json. This module
+calls that product through the libggml that llama-cpp-python installs (ctypes, no build here; or the folder
+SPECSTREAM_GGML_LIB names): each matrix stays its GGUF bytes (a view of the mapped file, or of a ring slot: no
+repack, no copy), the product is a one-node ggml graph on ggml's CPU backend, x and y torch's own memory.
+
+Row-exact (a row's bits never depend on the rows beside it: speculation stays exact, layers.py): measured on
+this build, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 products give every row a one-row product's bits at any row count;
+the K-quants from 8 rows on switch to another product whose bits differ, so they multiply at most
+K_QUANT_ROWS rows a call (tests/test_ggml_linear.py checks both against one-row products). ggml's repacked
+layouts (llama.cpp's choice at load for Q4_0 and Q4_K) are not used: their bits differ from the plain
+layout's, which a streamed layer reads.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from offload.weights.ggml_types import GGMLType as T
+from offload.weights.gguf_blocks import packed_nbytes
+from offload.weights.packed_linear import FUSED
+
+GGML_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+REPACKED = (T.Q4_0, T.Q4_K)   # kept in ggml's interleaved tiles (its repack buffer), as llama.cpp keeps them
+# rows per call that keep a one-row product's bits: K-quants switch kernels from 8 rows, repacked Q4_K from 4
+ROWS_PER_CALL = {T.Q4_K: 3, T.Q5_K: 7, T.Q6_K: 7}
+KEPT_ROWS = 8             # products of up to this many rows are built once per weight and kept
+ALIGN = 32                # ggml's TENSOR_ALIGNMENT: a buffer over our memory must start on it
+F32 = 0
+LIBRARY_ENV = "SPECSTREAM_GGML_LIB"
+_VOID = ctypes.c_void_p
+
+
+class GgmlMissingError(RuntimeError):
+    """--cpu-kernel ggml without a libggml to call."""
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _VOID), ("no_alloc", ctypes.c_bool)]
+
+
+def library_dir() -> Path | None:
+    """The folder holding libggml-base.so and libggml-cpu.so: $SPECSTREAM_GGML_LIB, else llama-cpp-python's."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    spec = importlib.util.find_spec("llama_cpp")          # located, not imported (that would load libllama)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+class _Ggml:
+    """The entry points a one-product graph needs, and one CPU backend for the process."""
+
+    def __init__(self, folder: Path) -> None:
+        base = ctypes.CDLL(str(folder / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        cpu = ctypes.CDLL(str(folder / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        fn = _function
+        self.init = fn(base, "ggml_init", _VOID, _InitParams)
+        self.free = fn(base, "ggml_free", None, _VOID)
+        self.new_2d = fn(base, "ggml_new_tensor_2d", _VOID, _VOID, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        self.mul_mat = fn(base, "ggml_mul_mat", _VOID, _VOID, _VOID, _VOID)
+        self.new_graph = fn(base, "ggml_new_graph_custom", _VOID, _VOID, ctypes.c_size_t, ctypes.c_bool)
+        self.expand = fn(base, "ggml_build_forward_expand", None, _VOID, _VOID)
+        self.nbytes = fn(base, "ggml_nbytes", ctypes.c_size_t, _VOID)
+        self.buffer_free = fn(base, "ggml_backend_buffer_free", None, _VOID)
+        self.tensor_alloc = fn(base, "ggml_backend_tensor_alloc", ctypes.c_int, _VOID, _VOID, _VOID)
+        self.compute = fn(base, "ggml_backend_graph_compute", ctypes.c_int, _VOID, _VOID)
+        self.from_ptr = fn(cpu, "ggml_backend_cpu_buffer_from_ptr", _VOID, _VOID, ctypes.c_size_t)
+        self.set_threads = fn(cpu, "ggml_backend_cpu_set_n_threads", None, _VOID, ctypes.c_int)
+        self.alloc_in = fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", _VOID, _VOID, _VOID)
+        self.tensor_set = fn(base, "ggml_backend_tensor_set", None, _VOID, _VOID, ctypes.c_size_t, ctypes.c_size_t)
+        self.repack_type = self._repack_buffer_type(base, cpu)
+        # metadata of 3 tensors (x, y, and room) and a graph of 4 nodes, per product
+        tensor = fn(base, "ggml_tensor_overhead", ctypes.c_size_t)()
+        graph = fn(base, "ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool)(4, False)
+        self.product_context_bytes = 3 * tensor + graph
+        self.weight_context_bytes = tensor
+        fn(cpu, "ggml_cpu_init", None)()
+        self.backend = fn(cpu, "ggml_backend_cpu_init", _VOID)()
+        self.threads = 0
+        self.lock = threading.Lock()      # one backend: one graph at a time
+
+    def context(self, size: int) -> int:
+        return self.init(_InitParams(size, None, True))
+
+    @staticmethod
+    def _repack_buffer_type(base, cpu) -> int | None:
+        """The CPU device's extra buffer type that repacks Q4_0 and Q4_K into interleaved tiles (llama.cpp's
+        choice at load), through the registry's public entry point; None where the build has none."""
+        registry = _function(cpu, "ggml_backend_cpu_reg", _VOID)()
+        device = _function(base, "ggml_backend_reg_dev_get", _VOID, _VOID, ctypes.c_size_t)(registry, 0)
+        lookup = _function(base, "ggml_backend_reg_get_proc_address", _VOID, _VOID, ctypes.c_char_p)
+        address = lookup(registry, b"ggml_backend_dev_get_extra_bufts")
+        if not address:
+            return None
+        extra = ctypes.CFUNCTYPE(ctypes.POINTER(_VOID), _VOID)(address)(device)      # NULL-terminated list
+        return extra[0] if extra and extra[0] else None
+
+    def place(self, tensor: int, pointer: int, size: int) -> int:
+        """Puts a ggml tensor's data at our memory [pointer, pointer + size): a buffer over it (to free)."""
+        if pointer % ALIGN:
+            raise ValueError(f"ggml needs {ALIGN}-byte aligned data, got an address {pointer % ALIGN} past it")
+        buffer = self.from_ptr(pointer, size)
+        if not buffer or self.tensor_alloc(buffer, tensor, pointer) != 0:
+            raise RuntimeError("ggml could not place a tensor in memory given to it")
+        return buffer
+
+    def compute_graph(self, graph: int) -> None:
+        with self.lock:
+            if self.threads != torch.get_num_threads():
+                self.threads = torch.get_num_threads()
+                self.set_threads(self.backend, self.threads)
+            if self.compute(self.backend, graph) != 0:
+                raise RuntimeError("ggml's CPU backend failed a matrix product")
+
+
+class _Product:
+    """y [M, N] = x [M, K] @ W^T as a one-node ggml graph over torch buffers x and y (fp32, made here): built
+    once per row count M, run as often as asked."""
+
+    def __init__(self, lib: _Ggml, weight: int, rows: int, width: int, num_out: int) -> None:
+        self.lib, self.buffers = lib, []
+        self.x, self.y = torch.empty(rows, width), torch.empty(rows, num_out)
+        self.context = lib.context(lib.product_context_bytes)
+        x_tensor = lib.new_2d(self.context, F32, width, rows)                     # ggml: ne0 = K, ne1 = M
+        y_tensor = lib.mul_mat(self.context, weight, x_tensor)                    # ne0 = N, ne1 = M
+        self.graph = lib.new_graph(self.context, 4, False)
+        lib.expand(self.graph, y_tensor)
+        self.buffers.append(lib.place(x_tensor, self.x.data_ptr(), self.x.numel() * 4))
+        self.buffers.append(lib.place(y_tensor, self.y.data_ptr(), self.y.numel() * 4))
+
+    def run(self, x: Tensor) -> Tensor:
+        """x [M, K] -> y [M, N], this product's own buffer (overwritten by the next run)."""
+        self.x.copy_(x)
+        self.lib.compute_graph(self.graph)
+        return self.y
+
+    def __del__(self) -> None:
+        for buffer in self.buffers:
+            self.lib.buffer_free(buffer)
+        if getattr(self, "context", 0):
+            self.lib.free(self.context)
+
+
+def _function(lib, name: str, restype, *argtypes):
+    function = getattr(lib, name)
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
+_LOADED: list[_Ggml] = []
+
+
+def ggml() -> _Ggml:
+    """The process's libggml (loaded once); GgmlMissingError naming what to install where there is none."""
+    if not _LOADED:
+        folder = library_dir()
+        if folder is None or not (folder / "libggml-cpu.so").exists():
+            where = f"{LIBRARY_ENV}={folder}" if os.environ.get(LIBRARY_ENV) else "no llama_cpp package"
+            raise GgmlMissingError(f"--cpu-kernel ggml needs ggml's CPU library ({where}): pip install "
+                                   f"llama-cpp-python, or set {LIBRARY_ENV} to a folder with libggml-cpu.so")
+        try:
+            _LOADED.append(_Ggml(folder))
+        except (OSError, AttributeError) as err:
+            raise GgmlMissingError(f"--cpu-kernel ggml: {folder} has no usable libggml ({err})") from None
+    return _LOADED[0]
+
+
+def available() -> bool:
+    try:
+        ggml()
+        return True
+    except GgmlMissingError:
+        return False
+
+
+@dataclass(eq=False)
+class GgmlWeight:
+    """A [N, K] GGUF matrix multiplied from its blocks by ggml; `linear` (offload/model/layers.py) calls matmul."""
+    raw: Tensor              # uint8 [N * row bytes], the blocks in place (kept alive while ggml reads them)
+    qtype: int
+    shape: tuple[int, int]   # (N, K)
+    _context: int = field(default=0, repr=False)
+    _buffer: int = field(default=0, repr=False)
+    _tensor: int = field(default=0, repr=False)
+    _products: dict = field(default_factory=dict, repr=False)
+    is_row_exact = True
+
+    def __post_init__(self) -> None:
+        num_out, num_in = self.shape
+        if self.raw.numel() != packed_nbytes(self.qtype, self.shape):
+            raise ValueError(f"{T(self.qtype).name} {self.shape} needs {packed_nbytes(self.qtype, self.shape)} "
+                             f"bytes, got {self.raw.numel()}")
+        if not repacks(self.qtype) and (self.raw.data_ptr() % ALIGN or not self.raw.is_contiguous()):
+            self.raw = _aligned_copy(self.raw)
+        lib = ggml()
+        self._context = lib.context(lib.weight_context_bytes)
+        self._tensor = lib.new_2d(self._context, int(self.qtype), num_in, num_out)
+        if lib.nbytes(self._tensor) != self.raw.numel():
+            raise ValueError(f"ggml sizes {T(self.qtype).name} {self.shape} at {lib.nbytes(self._tensor)} bytes, "
+                             f"the file at {self.raw.numel()}")
+        if repacks(self.qtype):       # ggml's own buffer: the blocks copied into its tiles
+            self._buffer = lib.alloc_in(self._context, lib.repack_type)
+            lib.tensor_set(self._tensor, self.raw.data_ptr(), 0, self.raw.numel())
+        else:                         # the blocks where they are
+            self._buffer = lib.place(self._tensor, self.raw.data_ptr(), self.raw.numel())
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [..., K] -> x @ W^T [..., N] in x's dtype (ggml: x quantized to 8 bits per block, fp32 sums), every
+        row with a one-row product's bits."""
+        return self._matmul(x, whole=False)
+
+    def matmul_whole(self, x: Tensor) -> Tensor:
+        """matmul in one call whatever the rows: a K-quant row's bits then depend on the row count (prompt rows
+        only, offload/weights/row_split.py)."""
+        return self._matmul(x, whole=True)
+
+    def _matmul(self, x: Tensor, whole: bool) -> Tensor:
+        num_out, num_in = self.shape
+        rows = x.reshape(-1, num_in)                                             # [M, K]
+        count = rows.shape[0]
+        step = count if whole else ROWS_PER_CALL.get(self.qtype, count)
+        if count <= step:
+            out = self._product(count).run(rows).clone()
+        else:
+            out = torch.cat([self._product(min(step, count - start)).run(rows[start:start + step]).clone()
+                             for start in range(0, count, step)])
+        return out.to(x.dtype).view(*x.shape[:-1], num_out)                     # [..., N]
+
+    def _product(self, rows: int) -> _Product:
+        """The product for `rows` rows: kept for the few small row counts decoding and trees use, else made."""
+        product = self._products.get(rows)
+        if product is None:
+            product = _Product(ggml(), self._tensor, rows, *reversed(self.shape))
+            if rows <= KEPT_ROWS:
+                self._products[rows] = product
+        return product
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def __del__(self) -> None:
+        self._products.clear()              # their graphs point at this weight's tensor: freed first
+        if _LOADED and self._context:
+            if self._buffer:
+                _LOADED[0].buffer_free(self._buffer)
+            _LOADED[0].free(self._context)
+            self._context = 0
+
+
+def _aligned_copy(tensor: Tensor) -> Tensor:
+    """A contiguous copy whose data starts on an ALIGN boundary (torch's CPU allocator aligns to 64 bytes)."""
+    copy = tensor.contiguous().clone()
+    if copy.data_ptr() % ALIGN:
+        raise RuntimeError("torch allocated CPU memory off a 32-byte boundary")
+    return copy
+
+
+def repacks(qtype: int) -> bool:
+    """Whether a GgmlWeight of this type holds its own (repacked) copy of the blocks rather than reading them in
+    place."""
+    return int(qtype) in [int(t) for t in REPACKED] and ggml().repack_type is not None
+
+
+def takes(qtype: int, shape: tuple[int, ...]) -> bool:
+    """Whether ggml multiplies this GGUF tensor here: a matrix of one of GGML_TYPES."""
+    return len(shape) == 2 and int(qtype) in [int(t) for t in GGML_TYPES]
+
+
+def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
+    """Bytes a GgmlWeight holds: the file's blocks."""
+    return packed_nbytes(qtype, shape)
+
+
+def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> GgmlWeight:
+    return GgmlWeight(raw, T(qtype), tuple(shape))
+
+
+def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, GgmlWeight]:
+    """A layer's matrices (name -> raw blocks, GGUF type, shape) -> GgmlWeights, q/k/v and gate/up stacked into
+    one each ("qkv", "gate_up": their blocks concatenated, one call and one quantized x for several) where they
+    share type and width and have row counts of a multiple of 8 (ggml's tiles of rows: a stacked weight's rows
+    keep the bits of the separate products'), as packed_linear stacks them."""
+    weights, done = {}, set()
+    for name, parts in FUSED.items():
+        found = [matrices[part] for part in parts if part in matrices]
+        if len(found) < len(parts) or len({(qtype, shape[1]) for _, qtype, shape in found}) != 1 or \
+                any(shape[0] % 8 for _, _, shape in found):
+            continue
+        qtype, width = found[0][1], found[0][2][1]
+        weights[name] = from_gguf(torch.cat([raw for raw, _, _ in found]), qtype,
+                                  (sum(shape[0] for _, _, shape in found), width))
+        done.update(parts)
+    weights.update({name: from_gguf(raw, qtype, shape) for name, (raw, qtype, shape) in matrices.items()
+                    if name not in done})
+    return weights
+
+
+def empty_layer(specs: dict[str, tuple[int, tuple[int, int]]], device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """The bytes from_gguf_layer holds per matrix, unfilled (on "meta": a layer's layout without reading it)."""
+    return {name: torch.empty(packed_nbytes(qtype, shape), dtype=torch.uint8, device=device)
+            for name, (qtype, shape) in specs.items()}

@@ -1,0 +1,142 @@
+"""GGUF matrices multiplied by ggml's own kernels (offload/weights/ggml_linear.py, `--cpu-kernel ggml`): the
+product against a dense float64 reference of the same blocks, every row's bits those of a one-row product (what
+keeps speculation exact), and a GGUF run through it: resident = streamed, speculative = one-token greedy.
+
+These need ggml's CPU library (llama-cpp-python's, or the folder SPECSTREAM_GGML_LIB names); without it they
+are skipped, except the one that checks the error a missing library gives."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from offload import load_model
+from offload.loader import streaming_device_budget
+from offload.model.config import ModelConfig
+from offload.weights import ggml_linear
+from offload.weights.formats import open_source
+from offload.weights.ggml_types import GGMLType as T
+from offload.weights.gguf_blocks import dequantize, random_blocks
+from offload.weights.resolve import resolve_model
+from test_gguf_inplace import _options, write_tiny_gguf
+
+needs_ggml = pytest.mark.skipif(not ggml_linear.available(), reason="no libggml (pip install llama-cpp-python)")
+
+
+def _weight(qtype: T, shape: tuple[int, int], seed: int = 0) -> tuple[ggml_linear.GgmlWeight, torch.Tensor]:
+    raw = torch.from_numpy(random_blocks(qtype, shape, np.random.default_rng(seed)))
+    return ggml_linear.from_gguf(raw, qtype, shape), raw
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", ggml_linear.GGML_TYPES, ids=lambda t: t.name)
+def test_the_product_matches_the_blocks_decoded(qtype):
+    weight, raw = _weight(qtype, (96, 512))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ dequantize(raw, qtype, (96, 512), torch.float32).double().T
+    got = weight.matmul(x)
+    # ggml quantizes x to 8 bits per block of 32 (256 for K-quants): ~0.5-1% of the result's norm
+    assert got.shape == (5, 96) and got.dtype == torch.float32
+    assert float((got.double() - expected).norm() / expected.norm()) < 0.02
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [2, 7, 8, 23])
+def test_every_row_gets_the_bits_of_a_one_row_product(qtype, rows):
+    """From 8 rows ggml multiplies K-quants another way (other bits): the weight cuts them into 7-row calls."""
+    weight, _ = _weight(qtype, (64, 256))
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    together = weight.matmul(x)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32))
+
+
+@needs_ggml
+def test_unaligned_blocks_and_inputs_of_other_dtypes_are_taken():
+    weight, raw = _weight(T.Q4_0, (64, 256))
+    shifted = torch.empty(raw.numel() + 1, dtype=torch.uint8)[1:]       # blocks one byte off ggml's alignment
+    shifted.copy_(raw)
+    moved = ggml_linear.from_gguf(shifted, T.Q4_0, (64, 256))
+    x = torch.randn(3, 4, 256, dtype=torch.float64)
+    got = moved.matmul(x)
+    assert got.shape == (3, 4, 64) and got.dtype == torch.float64
+    assert torch.equal(got, weight.matmul(x.float()).double())
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_stacked_q_k_v_give_the_separate_products_bits(qtype):
+    shapes = {"q": (128, 256), "k": (32, 256), "v": (32, 256), "o": (256, 256)}
+    rng = np.random.default_rng(3)
+    matrices = {name: (torch.from_numpy(random_blocks(qtype, shape, rng)), qtype, shape) for name, shape in shapes.items()}
+    stacked = ggml_linear.from_gguf_layer(matrices)
+    assert set(stacked) == {"qkv", "o"} and stacked["qkv"].shape == (192, 256)
+    x = torch.randn(1, 9, 256, generator=torch.Generator().manual_seed(4))
+    apart = torch.cat([ggml_linear.from_gguf(*matrices[name]).matmul(x) for name in ("q", "k", "v")], dim=-1)
+    assert torch.equal(stacked["qkv"].matmul(x), apart)
+
+
+@needs_ggml
+def test_prompt_chunks_go_in_one_call_and_the_other_rows_keep_their_bits():
+    from offload.weights.row_split import WholeRowsWeight, whole_rows
+    weight, _ = _weight(T.Q4_K, (64, 256))
+    x = torch.randn(1, 30, 256, generator=torch.Generator().manual_seed(5))
+    layer = whole_rows({"o": weight, "norm": torch.ones(3)}, [(4, 24)])
+    assert isinstance(layer["o"], WholeRowsWeight) and isinstance(layer["norm"], torch.Tensor)
+    got = layer["o"].matmul(x)
+    assert torch.equal(got[:, 4:24], weight.matmul_whole(x[:, 4:24]))
+    assert torch.equal(got[:, :4], weight.matmul(x[:, :4])) and torch.equal(got[:, 24:], weight.matmul(x[:, 24:]))
+    assert whole_rows({"o": weight}, [])["o"] is weight
+
+
+def test_a_missing_library_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(ggml_linear.LIBRARY_ENV, str(tmp_path))
+    monkeypatch.setattr(ggml_linear, "_LOADED", [])
+    with pytest.raises(ggml_linear.GgmlMissingError, match="pip install llama-cpp-python, or set SPECSTREAM_GGML_LIB"):
+        ggml_linear.ggml()
+    assert not ggml_linear.available()
+
+
+@needs_ggml
+def test_a_gguf_on_ggml_gives_the_same_logits_resident_and_streamed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    statuses = []
+    resident = load_model(_options(str(path), cpu_kernel="ggml"), on_status=statuses.append)
+    assert any(s.startswith("CPU ggml kernels: ") for s in statuses), statuses
+    layer = resident.layers.resident[0]
+    assert isinstance(layer["q"], ggml_linear.GgmlWeight) and "qkv" not in layer
+    folder = resolve_model(str(path))
+    layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
+    options = _options(str(path), ram=layer_bytes, cpu_kernel="ggml", ring_size=1)   # 3 layers of 0.5 MB fit 2 slots
+    streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
+    assert streamed.plan.tier_of == ["ram", "disk", "disk"]
+    ids = torch.randint(0, resident.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = resident.model.forward(ids, resident.model.new_cache(16)).logits
+    for _ in range(2):
+        assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
+    streamed.layers.close()
+
+
+@needs_ggml
+@pytest.mark.e2e
+def test_speculation_on_ggml_equals_one_token_greedy_decoding():
+    """The default model (Q4_1 layers, a Q8_0 head) through ggml: the shipped draft's trees at budget 16 give the
+    tokens one-token greedy decoding gives."""
+    from offload import LoadOptions
+    from spec import DecodeConfig, Decoder, FixedBudget, SamplingConfig, Speculator, default_draft_for, load_any_draft
+    import textdata
+    target = load_model(LoadOptions(device="cpu", dtype="fp32", cpu_kernel="ggml", max_context=1024,
+                                    max_pass_tokens=64))
+    draft = load_any_draft(str(default_draft_for(None)), target, LoadOptions(device="cpu", max_context=1024))
+    config = DecodeConfig(24, 1024, max_pass_tokens=64)
+    reference = Decoder(target.model, target.stop_ids, config)
+    speculative = Decoder(target.model, target.stop_ids, config, Speculator(draft, 1024, 16), FixedBudget(16))
+    for row in textdata.records(textdata.CHAT_PROMPTS)[:2]:
+        ids = target.tokenizer.encode_chat([{"role": "user", "content": row["prompt"]}])
+        result = speculative.generate(ids, SamplingConfig())
+        assert result.token_ids == reference.generate(ids, SamplingConfig()).token_ids
+        assert result.stats.tokens_per_pass > 1
