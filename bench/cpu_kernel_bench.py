@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -270,9 +271,15 @@ def main(argv: list[str] | None = None) -> int:
                              "2.5 GB of layers) instead of --target")
     parser.add_argument("--requantize", default=None, metavar="TYPE",
                         help="the default model with its decoder matrices requantized to TYPE (q5_0, q5_1) as --target")
+    parser.add_argument("--kernel", default="packed", choices=("packed", "ggml"),
+                        help="the kernel set against dense fp32 in every part but stream (ggml: llama.cpp's libggml)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     draft_target = args.target
+    if args.kernel == "ggml" and not os.environ.get("SPECSTREAM_GGML_LIB"):
+        from bench.shapes_bench import ggml_library, llama_python
+        if ggml_library(llama_python()):
+            os.environ["SPECSTREAM_GGML_LIB"] = ggml_library(llama_python())
     if args.requantize:
         from bench.synthetic_gguf import requantized_default
         args.target, draft_target = str(requantized_default(args.requantize, print)), None   # the default's draft
@@ -283,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "cpu-kernel", "command": " ".join(["python -m bench.cpu_kernel_bench", *(argv or sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
-    models = {k: _load(args.target, k) for k in KERNELS} if set(parts) - {"stream", "prefill"} else {}
+    result["kernel"] = args.kernel        # the one the JSON calls "packed"
+    models = {k: _load(args.target, args.kernel if k == "packed" else k) for k in KERNELS} \
+        if set(parts) - {"stream", "prefill"} else {}
     if "crossover" in parts:
         result["crossover"] = crossover(models, args.repeats)
     if "prefill" in parts:

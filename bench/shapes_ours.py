@@ -3,7 +3,8 @@ memory, mappings or threads): `python -m bench.shapes_ours --cfg JSON` prints on
 
 resident  every layer resident, the cfg's kernel (packed, ggml): greedy one-token steps after the prompt (prefill
           untimed, as bench/llama_cpp_runner.py times llama.cpp), a profile of those steps (the int4
-          kernel's time per token against the rest), then one timed 512-token prefill from an empty cache
+          kernel's time per token against the rest), then one timed 512-token prefill from an empty cache (one
+          prompt chunk, as decoding passes it)
 ram/disk  every layer streamed from host RAM, or from the file with the page cache dropped before each
           pass (disk-cold), with the cfg's kernel: one-token steps after a 16-token prompt"""
 from __future__ import annotations
@@ -86,7 +87,8 @@ def resident(cfg: dict) -> dict:
     seconds, token_ids = _timed(run)
     profiled = _profile(run, num_steps, warmup)
     cache = loaded.model.new_cache(len(cfg["prefill_ids"]) + 1)
-    prefill, _ = _timed(lambda: loaded.model.forward(torch.tensor([cfg["prefill_ids"]]), cache, last_only=True))
+    prefill, _ = _timed(lambda: loaded.model.forward(torch.tensor([cfg["prefill_ids"]]), cache, last_only=True,
+                                                     prompt_chunks=[(0, len(cfg["prefill_ids"]))]))   # as decoding does
     tiers = loaded.plan.tier_of
     return {"load_seconds": round(load_seconds, 2), "layers": {t: tiers.count(t) for t in set(tiers)},
             "token_ids": token_ids, "seconds_per_token": round(seconds / num_steps, 5),
