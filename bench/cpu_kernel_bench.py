@@ -278,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_target = args.target
     if args.kernel == "ggml" and not os.environ.get("SPECSTREAM_GGML_LIB"):
         from bench.shapes_bench import ggml_library, llama_python
-        if ggml_library(llama_python()):
-            os.environ["SPECSTREAM_GGML_LIB"] = ggml_library(llama_python())
+        folder = ggml_library(llama_python())
+        if folder:
+            os.environ["SPECSTREAM_GGML_LIB"] = folder
     if args.requantize:
         from bench.synthetic_gguf import requantized_default
         args.target, draft_target = str(requantized_default(args.requantize, print)), None   # the default's draft

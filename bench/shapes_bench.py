@@ -13,6 +13,7 @@ of the timed steps, and what is left of a step besides it. Prints one summary li
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -91,6 +92,7 @@ def prompt_ids(count: int) -> tuple[list[int], list[int]]:
     return chat, tokenizer.encode(documentation_prose(0))[:count]
 
 
+@functools.lru_cache(maxsize=None)
 def ggml_library(python: Path | None) -> str | None:
     """The libggml folder of the llama.cpp environment (for our `--cpu-kernel ggml` child), if it has one."""
     if python is None:

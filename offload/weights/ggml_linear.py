@@ -1,18 +1,19 @@
-"""GGUF matrices multiplied by ggml's own CPU kernels, from their blocks in place (`--cpu-kernel ggml`).
+"""GGUF matrices multiplied by ggml's own CPU kernels (`--cpu-kernel ggml`).
 
-torch's int4 kernel (packed_linear) reads 5 bits a weight and is slower per byte on x86 than ggml's dot products
-of the file's blocks with 8-bit activations: on the 1B shape's products at one row, 2 cores, ggml's took 18 ms a
-token against the int4 kernel's 32 (Q4_K), 38 (Q4_K_M), bench/results/cpu_products_vs_ggml.json. This module
-calls that product through the libggml that llama-cpp-python installs (ctypes, no build here; or the folder
-SPECSTREAM_GGML_LIB names): each matrix stays its GGUF bytes (a view of the mapped file, or of a ring slot: no
-repack, no copy), the product is a one-node ggml graph on ggml's CPU backend, x and y torch's own memory.
+torch's int4 kernel (packed_linear) reads 5 bits a weight and, from RAM, is slower than the products llama.cpp
+runs on Q4_0/Q4_K blocks repacked into ggml's interleaved tiles: a 1B token's products took 34.6 / 33.8 / 38.7 ms
+on the int4 kernel against 24.7 / 22.1 / 22.8 ms repacked (Q4_0 / Q4_K / Q4_K_M, 2 cores; ggml's plain layout is
+no faster than the int4 kernel; bench/results/cpu_products_vs_ggml.json). This module calls those products
+through the libggml that llama-cpp-python installs (ctypes, no build here; or the folder SPECSTREAM_GGML_LIB
+names): Q4_0 and Q4_K matrices are copied into ggml's repack buffer, the other types are read where they lie (a
+view of the mapped file, or of a ring slot), and each product is a one-node ggml graph on ggml's CPU backend
+over torch's own x and y.
 
 Row-exact (a row's bits never depend on the rows beside it: speculation stays exact, layers.py): measured on
-this build, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 products give every row a one-row product's bits at any row count;
-the K-quants from 8 rows on switch to another product whose bits differ, so they multiply at most
-K_QUANT_ROWS rows a call (tests/test_ggml_linear.py checks both against one-row products). ggml's repacked
-layouts (llama.cpp's choice at load for Q4_0 and Q4_K) are not used: their bits differ from the plain
-layout's, which a streamed layer reads.
+this build, Q4_0 (repacked), Q4_1, Q5_0, Q5_1 and Q8_0 products give every row a one-row product's bits at any
+row count; plain K-quants switch kernels from 8 rows and repacked Q4_K from 4, so those multiply at most
+ROWS_PER_CALL rows a call, except prompt chunks (matmul_whole). One layout per type in every tier: repacked and
+plain Q4_0 differ in their bits. tests/test_ggml_linear.py checks all of it against one-row products.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from offload.weights.gguf_blocks import packed_nbytes
 from offload.weights.packed_linear import FUSED
 
 GGML_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 REPACKED = (T.Q4_0, T.Q4_K)   # kept in ggml's interleaved tiles (its repack buffer), as llama.cpp keeps them
+_TAKEN, _REPACKED = frozenset(map(int, GGML_TYPES)), frozenset(map(int, REPACKED))
 # rows per call that keep a one-row product's bits: K-quants switch kernels from 8 rows, repacked Q4_K from 4
 ROWS_PER_CALL = {T.Q4_K: 3, T.Q5_K: 7, T.Q6_K: 7}
 KEPT_ROWS = 8             # products of up to this many rows are built once per weight and kept
@@ -272,12 +273,12 @@ def _aligned_copy(tensor: Tensor) -> Tensor:
 def repacks(qtype: int) -> bool:
     """Whether a GgmlWeight of this type holds its own (repacked) copy of the blocks rather than reading them in
     place."""
-    return int(qtype) in [int(t) for t in REPACKED] and ggml().repack_type is not None
+    return int(qtype) in _REPACKED and ggml().repack_type is not None
 
 
 def takes(qtype: int, shape: tuple[int, ...]) -> bool:
     """Whether ggml multiplies this GGUF tensor here: a matrix of one of GGML_TYPES."""
-    return len(shape) == 2 and int(qtype) in [int(t) for t in GGML_TYPES]
+    return len(shape) == 2 and int(qtype) in _TAKEN
 
 
 def kernel_bytes(qtype: int, shape: tuple[int, ...]) -> int:
