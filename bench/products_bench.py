@@ -5,8 +5,8 @@ bench.shapes_bench (Llama-3.2-1B, Llama-3.1-8B decoder layers and the synthetic 
 
 Ours: every product as the engine runs it (offload/weights/packed_linear: q/k/v and gate/up stacked, torch's
 `_weight_int4pack_mm_for_cpu` on bf16 activations). ggml's: the same matrices as llama.cpp runs them (q, k,
-v, gate, up apart; x in fp32, quantized to 8 bits inside the product), timed by bench/ggml_products.py in
-the llama.cpp peer's environment through the libggml llama-cpp-python ships, in ggml's plain CPU buffer and
+v, gate, up apart; x in fp32, quantized to 8 bits inside the product), timed by bench/ggml_products.py in a
+process of its own through the libggml of the llama.cpp peer's environment, in ggml's plain CPU buffer and
 in its repack buffer (llama.cpp's choice at load for Q4_0 and Q4_K). The two engines run in turn, --rounds
 times, each product's median kept; a token's figure is the sum over its layers and the head. Each product is
 timed over copies of its matrix taken in turn, --cold-bytes in all, beyond the CPU's last-level cache (one
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.shapes_bench import llama_python
+from bench.shapes_bench import ggml_library, llama_python
+from bench.suite_config import ROOT
 from bench.synthetic_gguf import MORE_BITS, NAMED_SHAPES, SYNTHETIC_TYPES, SyntheticShape
 from offload.weights.gguf_blocks import random_blocks
 from offload.weights.ggml_types import GGMLType as T
@@ -88,13 +90,16 @@ def time_ours(product: Product, seconds: float, cold_bytes: int) -> float:
 
 def time_ggml(python: Path, products: list[Product], threads: int, seconds: float,
               cold_bytes: int) -> dict[Product, dict]:
+    """ggml's products (bench/ggml_products.py in a process of its own) through the libggml of `python`'s
+    llama.cpp environment."""
     spec = [{"type": GGML_NAMES[q], "n": n, "k": k, "m": 1} for q, n, k in products]
-    proc = subprocess.run([str(python), str(Path(__file__).with_name("ggml_products.py")), "--spec", json.dumps(spec),
+    env = {**os.environ, "SPECSTREAM_GGML_LIB": os.environ.get("SPECSTREAM_GGML_LIB") or ggml_library(python) or ""}
+    proc = subprocess.run([sys.executable, "-m", "bench.ggml_products", "--spec", json.dumps(spec),
                            "--threads", str(threads), "--seconds", str(seconds), "--cold-bytes", str(cold_bytes)],
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
     if line is None:
-        raise RuntimeError(f"ggml_products.py exit {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        raise RuntimeError(f"ggml_products exit {proc.returncode}: {proc.stderr.strip()[-400:]}")
     return {p: row for p, row in zip(products, json.loads(line)["products"])}
 
 

@@ -83,6 +83,7 @@ class _Ggml:
         self.alloc_in = fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", _VOID, _VOID, _VOID)
         self.tensor_set = fn(base, "ggml_backend_tensor_set", None, _VOID, _VOID, ctypes.c_size_t, ctypes.c_size_t)
         self.repack_type = self._repack_buffer_type(base, cpu)
+        self.cpu_type = fn(cpu, "ggml_backend_cpu_buffer_type", _VOID)()       # ggml's plain CPU buffers
         # metadata of 3 tensors (x, y, and room) and a graph of 4 nodes, per product
         tensor = fn(base, "ggml_tensor_overhead", ctypes.c_size_t)()
         graph = fn(base, "ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool)(4, False)
