@@ -220,7 +220,7 @@ def build_engine(source: WeightSource, options: LoadOptions, on_status=None) -> 
 
 def _on_kernel_cache(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
     """Whether layers this load streams are read from the GGUF's kernel layer cache (weights/kernel_cache.py)."""
-    return on_packed_kernel(source, options, device) and options.cpu_kernel == "packed" and kernel_cache.serves(source)
+    return on_packed_kernel(source, options, device) and kernel_cache.serves(source)
 
 
 def _streams(request: PlanRequest, cached: PlanRequest) -> bool:
@@ -318,7 +318,8 @@ def _build_layers(source: WeightSource, layout: LayerLayout, plan: Plan, device:
     return StreamingLayers(layout, resident, tier_of, ram, disk, device, plan.request.ring_size, options.disk_cold,
                            decode=_decoder(source, tier_of, dtype, decode_once is not None, options.decode_ahead,
                                            on_kernel),
-                           decode_ahead=options.decode_ahead, dense=_dense_decoder(source, dtype) if on_kernel else None)
+                           decode_ahead=options.decode_ahead, dense=_dense_decoder(source, dtype) if on_kernel else None,
+                           slot_buffer=getattr(source, "slot_buffer", None) if device.type == "cpu" else None)
 
 
 def _dense_decoder(source: WeightSource, dtype: torch.dtype):
@@ -342,6 +343,8 @@ def _decoder(source: WeightSource, tier_of: list[str], dtype: torch.dtype, resid
     def decode(index: int, stored: dict) -> dict:
         if tier_of[index] == "device":
             return stored if resident_decoded else decode_layer(index, stored, dtype, shared=True)
+        if on_kernel:    # a ring slot's: its kernel weights may be kept for the slot's next layers
+            return source.kernel_layer(index, stored, dtype, shared=not ahead, in_slot=True)
         return decode_layer(index, stored, dtype, shared=not ahead)
     return decode
 

@@ -73,13 +73,15 @@ class StreamingLayers:
 
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
-                 disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False, dense=None) -> None:
+                 disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False, dense=None,
+                 slot_buffer=None) -> None:
         if ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {ring_size}")
         self.layout, self.resident, self.tier_of = layout, resident, tier_of
         self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
         self.decode_ahead = decode_ahead
         self._dense = dense              # (index, stored or None for a resident layer) -> the layer decoded dense
+        self._slot_buffer = slot_buffer  # CPU: bytes -> a slot's memory, DIRECT_ALIGN-aligned (else aligned_host's)
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
         # a disk layer read whole by O_DIRECT into a host buffer, used in place (CPU) or copied per tensor
@@ -102,6 +104,8 @@ class StreamingLayers:
         if self.is_cuda:
             buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
             staging = aligned_host(host_bytes, pin=True) if self.disk else None
+        elif self._slot_buffer is not None:
+            buffer, staging = self._slot_buffer(host_bytes), None
         else:
             buffer, staging = aligned_host(host_bytes, pin=False), None
         slot = _Slot(buffer, staging)

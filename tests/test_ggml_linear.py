@@ -15,11 +15,12 @@ import torch
 from offload import load_model
 from offload.loader import streaming_device_budget
 from offload.model.config import ModelConfig
-from offload.weights import ggml_linear
+from offload.weights import ggml_linear, kernel_cache
 from offload.weights.formats import open_source
 from offload.weights.ggml_types import GGMLType as T
 from offload.weights.gguf_blocks import dequantize, random_blocks
 from offload.weights.resolve import resolve_model
+from offload.weights.gguf_names import GGUF_LAYER_NAMES
 from test_gguf_inplace import _options, write_tiny_gguf
 
 needs_ggml = pytest.mark.skipif(not ggml_linear.available(), reason="no libggml (pip install llama-cpp-python)")
@@ -119,6 +120,42 @@ def test_a_gguf_on_ggml_gives_the_same_logits_resident_and_streamed(tmp_path, mo
     for _ in range(2):
         assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
     streamed.layers.close()
+
+
+@needs_ggml
+@pytest.mark.parametrize("cached", [True, False], ids=["tiles-from-the-kernel-cache", "no-room-for-the-cache"])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+def test_a_ring_slot_keeps_its_stacked_weights_for_each_layer_it_holds(tmp_path, monkeypatch, qtype, cached):
+    """Every matrix of one type, so q/k/v and gate/up stack (Q4_0: repacked tiles; Q8_0: blocks in place): a ring of
+    one slot takes the streamed layers in turn, its 4 weights made once and kept (WeightPool), and every pass gives
+    the resident logits. Streamed layers read ggml's bytes from the kernel layer cache into the slot, ggml's own
+    buffer; where the cache cannot be stored, the slot's weights are refilled from the GGUF's blocks (repacked,
+    stacked) per pass."""
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    if not cached:
+        def full(*args):
+            raise OSError("no room")
+        monkeypatch.setattr(kernel_cache, "_check_room", full)
+    names = [f"blk.{i}.{GGUF_LAYER_NAMES[name]}" for i in range(3) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", types=dict.fromkeys(names, qtype))
+    resident = load_model(_options(str(path), cpu_kernel="ggml"))
+    assert {"qkv", "gate_up"} <= set(resident.layers.resident[0])
+    folder = resolve_model(str(path))
+    layer_bytes = open_source(folder, ModelConfig.from_file(folder)).layout(torch.float32).num_bytes
+    options = _options(str(path), ram=3 * layer_bytes, cpu_kernel="ggml", ring_size=1)
+    streamed = load_model(replace(options, gpu_mem=streaming_device_budget(options)))
+    assert streamed.plan.tier_of[1:] == ["ram", "ram"]
+    generator = torch.Generator().manual_seed(0)
+    for rows in (5, 1, 12):
+        ids = torch.randint(0, resident.config.vocab_size, (1, rows), generator=generator)
+        expected = resident.model.forward(ids, resident.model.new_cache(16)).logits
+        assert torch.equal(streamed.model.forward(ids, streamed.model.new_cache(16)).logits, expected)
+    streamed.layers.close()
+    assert isinstance(streamed.source, kernel_cache.KernelCachedSource) == cached
+    pools = streamed.source._pools if cached else streamed.source._ggml_pools
+    assert len(pools) == 1                                                  # one slot
+    weights = list(next(iter(pools.values()))._weights.values())
+    assert len(weights) == 4 and all(weight.tiles == cached for weight in weights)     # made once
 
 
 @needs_ggml

@@ -21,12 +21,14 @@ import ctypes
 import importlib.util
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from offload.disk_reads import DIRECT_ALIGN
 from offload.weights.ggml_types import GGMLType as T
 from offload.weights.gguf_blocks import packed_nbytes
 from offload.weights.packed_linear import FUSED
@@ -45,6 +47,9 @@ _VOID = ctypes.c_void_p
 
 class GgmlMissingError(RuntimeError):
     """--cpu-kernel ggml without a libggml to call."""
+
+
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, _VOID)
 
 
 class _InitParams(ctypes.Structure):
@@ -82,6 +87,11 @@ class _Ggml:
         self.set_threads = fn(cpu, "ggml_backend_cpu_set_n_threads", None, _VOID, ctypes.c_int)
         self.alloc_in = fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", _VOID, _VOID, _VOID)
         self.tensor_set = fn(base, "ggml_backend_tensor_set", None, _VOID, _VOID, ctypes.c_size_t, ctypes.c_size_t)
+        self.buffer_alloc = fn(base, "ggml_backend_buft_alloc_buffer", _VOID, _VOID, ctypes.c_size_t)
+        self.buffer_base = fn(base, "ggml_backend_buffer_get_base", ctypes.c_size_t, _VOID)
+        self.data = fn(base, "ggml_get_data", ctypes.c_size_t, _VOID)
+        self._quiet = _LOG_CALLBACK(lambda level, text, user: None)    # kept: ggml calls it
+        fn(base, "ggml_log_set", None, _LOG_CALLBACK, _VOID)(self._quiet, None)   # no "repack: ..." lines on stderr
         self.repack_type = self._repack_buffer_type(base, cpu)
         self.cpu_type = fn(cpu, "ggml_backend_cpu_buffer_type", _VOID)()       # ggml's plain CPU buffers
         # metadata of 3 tensors (x, y, and room) and a graph of 4 nodes, per product
@@ -194,6 +204,8 @@ class GgmlWeight:
     raw: Tensor              # uint8 [N * row bytes], the blocks in place (kept alive while ggml reads them)
     qtype: int
     shape: tuple[int, int]   # (N, K)
+    owns: bool = False       # raw is this weight's own copy (stacked blocks): refill copies new blocks into it
+    tiles: bool = False      # raw lies in a host_buffer and holds the bytes as ggml multiplies them (stored_bytes)
     _context: int = field(default=0, repr=False)
     _buffer: int = field(default=0, repr=False)
     _tensor: int = field(default=0, repr=False)
@@ -205,19 +217,59 @@ class GgmlWeight:
         if self.raw.numel() != packed_nbytes(self.qtype, self.shape):
             raise ValueError(f"{T(self.qtype).name} {self.shape} needs {packed_nbytes(self.qtype, self.shape)} "
                              f"bytes, got {self.raw.numel()}")
-        if not repacks(self.qtype) and (self.raw.data_ptr() % ALIGN or not self.raw.is_contiguous()):
-            self.raw = _aligned_copy(self.raw)
+        if not self.repacked and (self.raw.data_ptr() % ALIGN or not self.raw.is_contiguous()):
+            self.raw, self.owns = _aligned_copy(self.raw), True
         lib = ggml()
         self._context = lib.context(lib.weight_context_bytes)
         self._tensor = lib.new_2d(self._context, int(self.qtype), num_in, num_out)
         if lib.nbytes(self._tensor) != self.raw.numel():
             raise ValueError(f"ggml sizes {T(self.qtype).name} {self.shape} at {lib.nbytes(self._tensor)} bytes, "
                              f"the file at {self.raw.numel()}")
-        if repacks(self.qtype):       # ggml's own buffer: the blocks copied into its tiles
+        if self.tiles:                # ggml's bytes already, in a buffer of its repack type: placed, not repacked
+            self._place_in_host_buffer(lib)
+        elif self.repacked:     # ggml's own buffer: the blocks copied into its tiles
             self._buffer = lib.alloc_in(self._context, lib.repack_type)
             lib.tensor_set(self._tensor, self.raw.data_ptr(), 0, self.raw.numel())
         else:                         # the blocks where they are
             self._buffer = lib.place(self._tensor, self.raw.data_ptr(), self.raw.numel())
+
+    @property
+    def repacked(self) -> bool:
+        return repacks(self.qtype, self.shape[0])
+
+    def _place_in_host_buffer(self, lib: _Ggml) -> None:
+        start, size = self.raw.data_ptr(), self.raw.numel()
+        found = next((buffer for begin, (end, buffer) in _HOST_BUFFERS.items() if begin <= start and start + size <= end),
+                     None)
+        if found is None or start % ALIGN or not self.raw.is_contiguous():
+            raise ValueError("ggml's tiles must lie 32-byte aligned in a host_buffer")
+        if lib.tensor_alloc(found, self._tensor, start) != 0:
+            raise RuntimeError("ggml could not place a tensor in its own buffer")
+
+    def stored_bytes(self) -> Tensor:
+        """uint8 [nbytes]: a copy of this weight's bytes as ggml multiplies them (a repacked weight's tiles), which
+        from_tiles takes back without repacking."""
+        if not self.repacked or self.tiles:
+            return self.raw.clone()
+        data = ctypes.string_at(ggml().data(self._tensor), self.raw.numel())
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def refill(self, parts: list[Tensor]) -> bool:
+        """New blocks of the same type and shape (parts stacked along N): the tensor, its buffer and its products
+        stay. False where an in-place weight would have to read other memory (then make a new weight)."""
+        if self.tiles:                # the tiles are read where they lie: only the same place will do
+            return len(parts) == 1 and parts[0].data_ptr() == self.raw.data_ptr()
+        if self.owns:
+            torch.cat(parts, out=self.raw) if len(parts) > 1 else self.raw.copy_(parts[0])
+        elif len(parts) > 1:
+            return False
+        elif self.repacked:
+            self.raw = parts[0]
+        elif parts[0].data_ptr() != self.raw.data_ptr():
+            return False
+        if self.repacked:
+            ggml().tensor_set(self._tensor, self.raw.contiguous().data_ptr(), 0, self.raw.numel())
+        return True
 
     def matmul(self, x: Tensor) -> Tensor:
         """x [..., K] -> x @ W^T [..., N] in x's dtype (ggml: x quantized to 8 bits per block, fp32 sums), every
@@ -271,10 +323,10 @@ def _aligned_copy(tensor: Tensor) -> Tensor:
     return copy
 
 
-def repacks(qtype: int) -> bool:
-    """Whether a GgmlWeight of this type holds its own (repacked) copy of the blocks rather than reading them in
-    place."""
-    return int(qtype) in _REPACKED and ggml().repack_type is not None
+def repacks(qtype: int, rows: int) -> bool:
+    """Whether a GgmlWeight of this type and row count holds its own (repacked) copy of the blocks rather than
+    reading them in place: ggml's tiles take 8 rows at a time."""
+    return int(qtype) in _REPACKED and rows % 8 == 0 and ggml().repack_type is not None
 
 
 def takes(qtype: int, shape: tuple[int, ...]) -> bool:
@@ -291,24 +343,106 @@ def from_gguf(raw: Tensor, qtype: int, shape: tuple[int, int]) -> GgmlWeight:
     return GgmlWeight(raw, T(qtype), tuple(shape))
 
 
-def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, GgmlWeight]:
+def from_tiles(raw: Tensor, qtype: int, shape: tuple[int, int]) -> GgmlWeight:
+    """A weight over stored_bytes lying in a host_buffer (a ring slot read from the kernel layer cache)."""
+    return GgmlWeight(raw, T(qtype), tuple(shape), tiles=True)
+
+
+_HOST_BUFFERS: dict[int, tuple[int, int]] = {}     # start address -> (end address, ggml buffer) of host_buffers
+# huge pages for a slot, as numpy asks for its large arrays (disk_reads.aligned_buffer): O_DIRECT reads into 4 KiB
+# pages ran at two thirds of the rate (docs/streaming.md); a hint, ignored where the kernel has none
+_LIBC, MADV_HUGEPAGE = ctypes.CDLL(None, use_errno=True), 14
+
+
+def host_buffer(num_bytes: int) -> Tensor:
+    """[num_bytes] uint8 memory of ggml's repack buffer type starting on a DIRECT_ALIGN boundary (a ring slot that
+    O_DIRECT reads land in): ggml multiplies tiles stored there as they lie (from_tiles). Freed with the last
+    tensor over it."""
+    lib = ggml()
+    buffer = lib.buffer_alloc(lib.repack_type or lib.cpu_type, num_bytes + DIRECT_ALIGN)
+    if not buffer:
+        raise MemoryError(f"ggml could not allocate {num_bytes} bytes")
+    base = lib.buffer_base(buffer)
+    start = base + (-base % DIRECT_ALIGN)
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(num_bytes - num_bytes % DIRECT_ALIGN), MADV_HUGEPAGE)
+    memory = (ctypes.c_uint8 * num_bytes).from_address(start)
+    _HOST_BUFFERS[start] = (start + num_bytes, buffer)
+    weakref.finalize(memory, _free_host_buffer, start)
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def _free_host_buffer(start: int) -> None:
+    _end, buffer = _HOST_BUFFERS.pop(start)
+    if _LOADED:
+        _LOADED[0].buffer_free(buffer)
+
+
+def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]], pool: "WeightPool | None" = None,
+                    own: bool = False) -> dict[str, GgmlWeight]:
     """A layer's matrices (name -> raw blocks, GGUF type, shape) -> GgmlWeights, q/k/v and gate/up stacked into
     one each ("qkv", "gate_up": their blocks concatenated, one call and one quantized x for several) where they
     share type and width and have row counts of a multiple of 8 (ggml's tiles of rows: a stacked weight's rows
-    keep the bits of the separate products'), as packed_linear stacks them."""
-    weights, done = {}, set()
+    keep the bits of the separate products'), as packed_linear stacks them. With a pool (a streamed layer's ring
+    slot), the slot's weights from its earlier layers are refilled instead of made anew. own: every weight holds
+    its blocks in memory of its own (a resident layer: not the mapped file, which the page cache could drop)."""
+    weights = {}
+    for name, (parts, qtype, shape) in stacking(matrices).items():
+        weight = pool.get(name, qtype, shape) if pool is not None else None
+        if weight is None or not weight.refill(parts):
+            if len(parts) > 1 or (own and not repacks(qtype, shape[0])):   # (a repacked weight is ggml's own copy)
+                weight = GgmlWeight(torch.cat(parts), qtype, shape, owns=True)
+            else:
+                weight = from_gguf(parts[0], qtype, shape)
+            if pool is not None:
+                pool.put(name, weight)
+        weights[name] = weight
+    return weights
+
+
+def stacking(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, tuple[list[Tensor], T, tuple]]:
+    """name -> (the raw blocks of its parts, type, stacked shape): q/k/v and gate/up where they stack."""
+    stacked, done = {}, set()
     for name, parts in FUSED.items():
         found = [matrices[part] for part in parts if part in matrices]
         if len(found) < len(parts) or len({(qtype, shape[1]) for _, qtype, shape in found}) != 1 or \
                 any(shape[0] % 8 for _, _, shape in found):
             continue
         qtype, width = found[0][1], found[0][2][1]
-        weights[name] = from_gguf(torch.cat([raw for raw, _, _ in found]), qtype,
-                                  (sum(shape[0] for _, _, shape in found), width))
+        stacked[name] = ([raw for raw, _, _ in found], T(qtype), (sum(shape[0] for _, _, shape in found), width))
         done.update(parts)
-    weights.update({name: from_gguf(raw, qtype, shape) for name, (raw, qtype, shape) in matrices.items()
+    stacked.update({name: ([raw], T(qtype), tuple(shape)) for name, (raw, qtype, shape) in matrices.items()
                     if name not in done})
-    return weights
+    return stacked
+
+
+class WeightPool:
+    """The GgmlWeights of one ring slot, kept across passes: a streamed layer's matrices come to the same slot
+    again and again, so their ggml tensors, repack buffers and product graphs are made once and refilled per
+    pass (repacked tiles rewritten from the new blocks, stacked blocks copied in, in-place ones as they lie)
+    instead of allocated, page-faulted and freed per layer. One variant of a layer per (name, type, shape)."""
+
+    def __init__(self) -> None:
+        self._weights: dict[tuple, GgmlWeight] = {}
+
+    def get(self, name: str, qtype: int, shape: tuple[int, int]) -> GgmlWeight | None:
+        return self._weights.get((name, int(qtype), tuple(shape)))
+
+    def put(self, name: str, weight: GgmlWeight) -> None:
+        self._weights[(name, int(weight.qtype), weight.shape)] = weight
+
+    def tiles(self, name: str, raw: Tensor, qtype: int, shape: tuple[int, int]) -> GgmlWeight:
+        """The slot's weight over stored_bytes at `raw` (from_tiles), made where the slot has none there."""
+        weight = self.get(name, qtype, shape)
+        if weight is None or not weight.refill([raw]):
+            weight = from_tiles(raw, qtype, shape)
+            self.put(name, weight)
+        return weight
+
+
+def build_key() -> list:
+    """What ggml's layout of a tensor depends on: the library build (its file) and the CPU it repacks for."""
+    stat = (library_dir() / "libggml-cpu.so").resolve().stat()
+    return ["ggml", stat.st_size, stat.st_mtime_ns, torch.backends.cpu.get_cpu_capability()]
 
 
 def empty_layer(specs: dict[str, tuple[int, tuple[int, int]]], device: str | torch.device = "cpu") -> dict[str, Tensor]:

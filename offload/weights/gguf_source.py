@@ -59,6 +59,7 @@ class GgufSource:
         self._globals = self._global_infos()
         self._layout = self._packed_layout()
         self.kernel = packed_linear           # the CPU's product of a GGUF's blocks: torch's int4 kernel, or ggml's
+        self._ggml_pools: dict[int, ggml_linear.WeightPool] = {}     # ring slot (its storage) -> its ggml weights
         with open(self.path, "rb") as handle:   # copy-on-write: tensors are views, the file is never written
             self._map = mmap.mmap(handle.fileno(), header.file_size, access=mmap.ACCESS_COPY)
         self._workspaces: dict[tuple, dict[str, Tensor]] = {}   # the shared one per device, one per ring slot
@@ -205,28 +206,38 @@ class GgufSource:
         return kernel, tuple(name for name in infos if name not in kernel)
 
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
-                     shared: bool = False) -> dict:
+                     shared: bool = False, in_slot: bool = False) -> dict:
         """A layer for the CPU: the matrices the int4 kernel takes repacked from their blocks (Int4Weight, made
         anew: no dense copy), the rest decoded as decode_layer does. stored None: read from the file, the rest
         decoded into fresh tensors (a resident layer; ggml's matrices copied out of the mapped file, which the
         page cache could drop)."""
         kernel, rest = self.kernel_split(index)
-        if stored is None:
+        resident = stored is None
+        if resident:
             stored = self.layer(index)
-            if self.kernel is ggml_linear:   # (a repacked matrix is ggml's own copy already)
-                infos = self._layers[index]
-                stored = {name: value.clone() if name in kernel and not ggml_linear.repacks(infos[name].qtype)
-                          else value for name, value in stored.items()}
             layer = self._decode(index, stored, self._empty_layer(torch.device("cpu"), dtype, rest))
         else:
             layer = self.decode_blocks(index, {name: stored[name] for name in rest}, dtype, shared)
-        return {**layer, **self.kernel_weights(index, stored)}
+        return {**layer, **self.kernel_weights(index, stored, in_slot, own=resident)}
 
-    def kernel_weights(self, index: int, stored: dict[str, Tensor]) -> dict:
-        """Layer `index`'s kernel matrices repacked from their raw blocks in `stored` (q/k/v, gate/up fused)."""
+    def kernel_specs(self, index: int) -> dict[str, tuple[None, int, tuple[int, int]]]:
+        """Layer `index`'s kernel matrices as from_gguf_layer takes them, without their blocks: name -> (None, GGUF
+        type, shape)."""
         infos = self._layers[index]
-        return self.kernel.from_gguf_layer({name: (self._rows(name, infos[name], stored[name]), infos[name].qtype,
-                                                     infos[name].shape) for name in self.kernel_split(index)[0]})
+        return {name: (None, infos[name].qtype, infos[name].shape) for name in self.kernel_split(index)[0]}
+
+    def kernel_weights(self, index: int, stored: dict[str, Tensor], in_slot: bool = False, own: bool = False) -> dict:
+        """Layer `index`'s kernel matrices repacked from their raw blocks in `stored` (q/k/v, gate/up fused).
+        in_slot: `stored` lies in a ring slot, whose ggml weights are kept and refilled pass after pass; own: ggml
+        weights copy blocks they would read in place (out of the mapped file, which the page cache could drop)."""
+        infos = self._layers[index]
+        matrices = {name: (self._rows(name, infos[name], stored[name]), infos[name].qtype, infos[name].shape)
+                    for name in self.kernel_split(index)[0]}
+        if self.kernel is not ggml_linear:
+            return self.kernel.from_gguf_layer(matrices)
+        slot = next(iter(stored.values())).untyped_storage().data_ptr()       # keyed by the slot, as workspaces
+        pool = self._ggml_pools.setdefault(slot, ggml_linear.WeightPool()) if in_slot else None
+        return ggml_linear.from_gguf_layer(matrices, pool, own)
 
     def decode_blocks(self, index: int, blocks: dict[str, Tensor], dtype: torch.dtype,
                       shared: bool = False) -> dict[str, Tensor]:

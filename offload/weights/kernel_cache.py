@@ -10,7 +10,11 @@ as the file's own blocks are. Layers whose types differ (Q4_K_M: Q6_K attn_v and
 different inner layouts, "variants", each stored in the header; streaming sees one uint8 slot as large as the
 largest variant, so any ring slot holds any layer and a layer streams as one contiguous read. Made on the first
 start that streams a layer on the kernel: about the packed size of the layers (0.625 bytes a weight for
-Q4_0/Q4_1/Q4_K, 1.25 for Q8_0 and the 5/6-bit types, the file's size for the rest)."""
+Q4_0/Q4_1/Q4_K, 1.25 for Q8_0 and the 5/6-bit types, the file's size for the rest).
+
+With `--cpu-kernel ggml` the file holds each matrix as ggml multiplies it instead (Q4_0/Q4_K in ggml's repacked
+tiles, the rest as the GGUF's blocks; the same size as the file's), keyed by the libggml build, and the ring's
+slots are ggml's own buffers (ggml_linear.host_buffer), so a streamed layer is multiplied where it was read."""
 from __future__ import annotations
 
 import hashlib
@@ -23,12 +27,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from offload.weights import packed_linear
+from offload.weights import ggml_linear, packed_linear
+from offload.weights.gguf_blocks import packed_nbytes
 from offload.weights.gguf_source import GgufSource
 from offload.weights.packing import ALIGNMENT, LayerLayout, TensorSlot
 from offload.weights.safetensors_io import CorruptCheckpointError, SafetensorsFile, SafetensorsStreamWriter, TensorEntry
 
 CACHE_FORMAT, CACHE_VERSION = "specstream-kernel-layers", 3
+GGML_FORMAT = "specstream-ggml-layers"
 BLOB = "layer"      # the one slot streaming sees
 
 
@@ -36,7 +42,8 @@ BLOB = "layer"      # the one slot streaming sees
 class Variant:
     """One inner layout of a cached layer: where each tensor lies in its bytes, and what each is."""
     layout: LayerLayout
-    weights: tuple[tuple[str, int, int, int, int], ...]   # (name, N, K, repeat, interleave) of Int4Weights "name.*"
+    weights: tuple[tuple[str, int, int, int, int], ...]   # (name, N, K, repeat, interleave) of Int4Weights "name.*";
+                                                       # on ggml (name, N, K, GGUF type, 0) of GgmlWeights "name"
     blocks: tuple[str, ...]                            # tensors kept as raw GGUF blocks (uint8 slots)
 
     def as_dict(self) -> dict:
@@ -47,9 +54,19 @@ class Variant:
 def kernel_cache_path(gguf, root: Path) -> Path:
     """The cache file of `gguf`'s layers in this CPU's layout."""
     stat = gguf.path.stat()
-    key = json.dumps([gguf.path.name, stat.st_size, stat.st_mtime_ns, torch.backends.cpu.get_cpu_capability(),
-                      torch.__version__, CACHE_VERSION])
-    return root / "kernel_layers" / f"{gguf.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    on_ggml = _on_ggml(gguf)
+    layout_of = ggml_linear.build_key() if on_ggml else [torch.backends.cpu.get_cpu_capability(), torch.__version__]
+    key = json.dumps([gguf.path.name, stat.st_size, stat.st_mtime_ns, *layout_of, CACHE_VERSION])
+    kind = "-ggml" if on_ggml else ""
+    return root / "kernel_layers" / f"{gguf.path.stem}{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def _on_ggml(gguf) -> bool:
+    return getattr(gguf, "kernel", None) is ggml_linear
+
+
+def _format(gguf) -> str:
+    return GGML_FORMAT if _on_ggml(gguf) else CACHE_FORMAT
 
 
 def serves(gguf) -> bool:
@@ -61,16 +78,25 @@ def _flat(weights: dict, blocks: dict[str, Tensor]) -> dict[str, Tensor]:
     """A layer's Int4Weights and raw blocks -> the named tensors a variant's layout places."""
     tensors = {}
     for name, weight in weights.items():
-        tensors[f"{name}.codes"], tensors[f"{name}.scale_zeros"] = weight.codes, weight.scale_zeros
+        if isinstance(weight, ggml_linear.GgmlWeight):
+            tensors[name] = weight.stored_bytes()
+        else:
+            tensors[f"{name}.codes"], tensors[f"{name}.scale_zeros"] = weight.codes, weight.scale_zeros
     return {**tensors, **blocks}
 
 
 def _variant_of(gguf, index: int) -> Variant:
     """Layer `index`'s variant, from its tensors' types and shapes (nothing repacked)."""
     kernel, rest = gguf.kernel_split(index)
+    blocks = {name: torch.empty(gguf.block_bytes(index, name), dtype=torch.uint8, device="meta") for name in rest}
+    if _on_ggml(gguf):           # the stacked matrices' bytes, as many as the blocks'
+        stacked = ggml_linear.stacking(gguf.kernel_specs(index))
+        tensors = {name: torch.empty(packed_nbytes(qtype, shape), dtype=torch.uint8, device="meta")
+                   for name, (_, qtype, shape) in stacked.items()}
+        return Variant(LayerLayout.from_tensors({**tensors, **blocks}, None),
+                       tuple((name, *shape, int(qtype), 0) for name, (_, qtype, shape) in stacked.items()), rest)
     meta = gguf.kernel_layer_meta(torch.float32, index)
     weights = {name: value for name, value in meta.items() if isinstance(value, packed_linear.Int4Weight)}
-    blocks = {name: torch.empty(gguf.block_bytes(index, name), dtype=torch.uint8, device="meta") for name in rest}
     return Variant(LayerLayout.from_tensors(_flat(weights, blocks), None),
                    tuple((name, *w.shape, w.repeat, int(w.interleave)) for name, w in weights.items()), rest)
 
@@ -96,12 +122,12 @@ def build_kernel_cache(gguf, path: Path, found: list[Variant], of_layer: list[in
     """Repacks every layer once and writes them (atomically: a temporary file renamed into place); `found` and
     `of_layer` are variants(gguf)."""
     started = time.perf_counter()
-    metadata = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION),
+    metadata = {"format": _format(gguf), "version": str(CACHE_VERSION),
                 "variants": json.dumps([v.as_dict() for v in found]), "layer_variants": json.dumps(of_layer)}
     specs = {f"layer.{i}": (torch.uint8, (found[v].layout.num_bytes,)) for i, v in enumerate(of_layer)}
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = torch.zeros(max(v.layout.num_bytes for v in found), dtype=torch.uint8)
-    with SafetensorsStreamWriter(path, specs, metadata) as writer:
+    with SafetensorsStreamWriter(path, specs, metadata, align=ALIGNMENT) as writer:     # layers start aligned
         for index, number in enumerate(of_layer):
             layout = found[number].layout
             raw = gguf.layer(index)
@@ -113,7 +139,8 @@ def build_kernel_cache(gguf, path: Path, found: list[Variant], of_layer: list[in
             writer.append(buffer[:layout.num_bytes])
     if on_status:
         mixed = f" ({len(found)} layer variants)" if len(found) > 1 else ""
-        on_status(f"GGUF layers stored in this CPU's int4 kernel layout once ({path.stat().st_size / 2**20:.0f} MiB "
+        kind = "ggml's layout" if _on_ggml(gguf) else "this CPU's int4 kernel layout"
+        on_status(f"GGUF layers stored in {kind} once ({path.stat().st_size / 2**20:.0f} MiB "
                   f"in {time.perf_counter() - started:.1f} s, model cache{mixed}): streamed layers skip the repack")
 
 
@@ -136,12 +163,15 @@ class KernelCachedSource:
         self._file = SafetensorsFile(self.path)
         self._variants, self._of_layer = self._check(*variants(gguf))
         self._layout = kernel_layout(gguf, self._variants)
+        self._pools: dict[int, ggml_linear.WeightPool] = {}       # on ggml: a ring slot's weights, kept
+        # on ggml the ring's slots are ggml's buffers, whose tiles it multiplies where they lie
+        self.slot_buffer = ggml_linear.host_buffer if _on_ggml(gguf) else None
 
     def _check(self, found: list[Variant], of_layer: list[int]) -> tuple[list[Variant], list[int]]:
         """The file's variants must be those of the GGUF's layers, and each layer's bytes its variant's size."""
         meta = self._file.metadata
         try:
-            if meta.get("format") != CACHE_FORMAT or meta.get("version") != str(CACHE_VERSION):
+            if meta.get("format") != _format(self.gguf) or meta.get("version") != str(CACHE_VERSION):
                 raise ValueError("not a kernel layer cache of this version")
             if json.loads(meta["variants"]) != [v.as_dict() for v in found] or \
                     json.loads(meta["layer_variants"]) != of_layer:
@@ -171,16 +201,22 @@ class KernelCachedSource:
         return {BLOB: (self.path, TensorEntry(BLOB, torch.uint8, (entry.num_bytes,), entry.start, entry.end))}
 
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
-                     shared: bool = False) -> dict:
-        """A streamed layer's Int4Weights as views of its stored bytes (nothing repacked), its other tensors decoded
-        from their blocks; a resident one (stored None) repacked from the GGUF into memory of its own."""
+                     shared: bool = False, in_slot: bool = False) -> dict:
+        """A streamed layer's Int4Weights (or GgmlWeights, kept per ring slot) as views of its stored bytes
+        (nothing repacked), its other tensors decoded from their blocks; a resident one (stored None) repacked
+        from the GGUF into memory of its own."""
         if stored is None:
             return self.gguf.kernel_layer(index, None, dtype)
         variant = self._variants[self._of_layer[index]]
         views = variant.layout.views(stored[BLOB][:variant.layout.num_bytes])
-        weights = {name: packed_linear.Int4Weight(views[f"{name}.codes"], views[f"{name}.scale_zeros"],
-                                                  (num_out, num_in), repeat, bool(interleave))
-                   for name, num_out, num_in, repeat, interleave in variant.weights}
+        if self.slot_buffer is not None:
+            pool = self._pools.setdefault(stored[BLOB].untyped_storage().data_ptr(), ggml_linear.WeightPool())
+            weights = {name: pool.tiles(name, views[name], qtype, (num_out, num_in))
+                       for name, num_out, num_in, qtype, _ in variant.weights}
+        else:
+            weights = {name: packed_linear.Int4Weight(views[f"{name}.codes"], views[f"{name}.scale_zeros"],
+                                                      (num_out, num_in), repeat, bool(interleave))
+                       for name, num_out, num_in, repeat, interleave in variant.weights}
         return {**self.gguf.decode_blocks(index, {name: views[name] for name in variant.blocks}, dtype, shared),
                 **weights}
 

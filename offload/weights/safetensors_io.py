@@ -147,10 +147,10 @@ class SafetensorsStreamWriter:
     fsynced and renamed into place by `close()`; leaving the `with` block on an error removes it."""
 
     def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, align: int = 8) -> None:
         self.path = Path(path)
         self._tmp = _temp_beside(self.path)
-        header, self._ends = _stream_header(specs, metadata)
+        header, self._ends = _stream_header(specs, metadata, align)
         self._names = list(specs)
         self._dtypes = [dtype for dtype, _ in specs.values()]
         self._index = 0   # the tensor whose bytes come next
@@ -213,9 +213,9 @@ class SafetensorsStreamWriter:
 
 
 def _stream_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                   metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
-    """The encoded header (length prefix included, padded to 8 bytes as `write_safetensors` pads it) and
-    each tensor's end offset within the data section."""
+                   metadata: dict[str, str] | None, align: int = 8) -> tuple[bytes, list[int]]:
+    """The encoded header (length prefix included, padded with spaces so the data starts on an `align`-byte
+    boundary of the file; 8 as `write_safetensors` pads it) and each tensor's end offset within the data section."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     ends, offset = [], 0
     for name, (dtype, shape) in specs.items():
@@ -224,5 +224,5 @@ def _stream_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         offset += num_bytes
         ends.append(offset)
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    encoded += b" " * (-(len(encoded) + 8) % align)
     return struct.pack("<Q", len(encoded)) + encoded, ends
