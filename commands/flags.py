@@ -28,9 +28,10 @@ def add_cpu_kernel(parser) -> None:
     from offload.loader import CPU_KERNELS, DEFAULT_CPU_KERNEL
     parser.add_argument("--cpu-kernel", default=DEFAULT_CPU_KERNEL, choices=CPU_KERNELS,
                         help="on the CPU, a GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 matrices and a SpQR checkpoint's "
-                             "w4 g32 ones: packed = multiplied as stored by torch's int4 kernel in bf16 (speculation "
-                             "stays exact), ggml = a GGUF's by ggml's kernels from its blocks (needs llama-cpp-python; "
-                             f"speculation stays exact), dense = decoded to fp32 (default: {DEFAULT_CPU_KERNEL})")
+                             "w4 g32 ones: packed = multiplied as stored by torch's int4 kernel in bf16, ggml = a "
+                             "GGUF's by ggml's kernels from its blocks (needs llama-cpp-python), auto = ggml for a GGUF "
+                             "mostly of Q4_0/Q4_K where it is installed, else packed (speculation stays exact on "
+                             f"each), dense = decoded to fp32 (default: {DEFAULT_CPU_KERNEL})")
 
 
 def add_draft(parser, help: str = DRAFT_HELP) -> None:

@@ -14,7 +14,7 @@ from offload.devices import check_names, choose_device, choose_dtype
 from offload.allocator import keep_freed_host_memory
 from offload.model.decoder import DecoderModel
 from offload.weights.packing import LayerLayout
-from offload.weights import kernel_cache
+from offload.weights import ggml_linear, kernel_cache
 from offload.weights.gguf_import import cache_root
 from offload.weights.packed_linear import draft_head_copy_bytes
 from offload.planner import Plan, PlanError, PlanRequest, largest_batch, make_plan, streaming_budget
@@ -28,11 +28,14 @@ from offload.weights.source import WeightSource
 from offload.weights.row_split import PromptRouting
 
 
-CPU_KERNELS = ("dense", "packed", "ggml")
-# The commands' default (run, chat, batch, serve; RuntimeConfig): packed held perplexity (-0.03 to -0.14% on
-# held-out code, prose, math) and exact speculation, at 3.7x dense decode speed (bench/results/cpu_kernel_*.json).
-# A library load (LoadOptions) keeps the exact fp32 decode, the one tests compare with transformers.
-DEFAULT_CPU_KERNEL = "packed"
+CPU_KERNELS = ("auto", "dense", "packed", "ggml")
+# The commands' default (run, chat, batch, serve; RuntimeConfig): auto = ggml for a GGUF mostly of the types it
+# repacks (Q4_0, Q4_K: 0.84-0.88x llama.cpp's decode on the 1B/8B shapes against 0.53-0.61x on the int4 kernel,
+# perplexity +0.1-0.25%) where a libggml is found, else packed (perplexity -0.03 to -0.14% on held-out code, prose,
+# math, 3.7x dense decode speed; the default model's Q4_1: 0.66x llama.cpp against ggml's 0.56x); both keep
+# speculation exact (bench/results/cpu_kernel_*.json, cpu_shapes_*.json). A library load (LoadOptions) keeps the
+# exact fp32 decode, the one tests compare with transformers.
+DEFAULT_CPU_KERNEL = "auto"
 
 
 @dataclass(slots=True)
@@ -170,12 +173,15 @@ class Engine:
 
 
 def on_packed_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> bool:
-    return device.type == "cpu" and options.cpu_kernel in ("packed", "ggml") and hasattr(source, "kernel_layer")
+    return device.type == "cpu" and options.cpu_kernel != "dense" and hasattr(source, "kernel_layer")
 
 
 def _choose_kernel(source: WeightSource, options: LoadOptions, device: torch.device) -> None:
-    """A GGUF on the CPU with `--cpu-kernel ggml` multiplies through ggml (GgmlMissingError if it is absent)."""
-    if device.type == "cpu" and options.cpu_kernel == "ggml" and hasattr(source, "use_ggml"):
+    """A GGUF on the CPU with `--cpu-kernel ggml` multiplies through ggml (GgmlMissingError if it is absent); with
+    auto where a libggml is found and most of its layers' matrix bytes are of the types ggml repacks."""
+    if device.type != "cpu" or not hasattr(source, "use_ggml"):
+        return
+    if options.cpu_kernel == "ggml" or (options.cpu_kernel == "auto" and source.suits_ggml() and ggml_linear.available()):
         source.use_ggml()
 
 

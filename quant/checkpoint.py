@@ -158,9 +158,10 @@ class SpqrSource:
 
     # the CPU's int4 kernel (quant/spqr_packed.py; loader.on_packed_kernel) -----------------------------
     def kernel_layer(self, index: int, stored: dict[str, Tensor] | None, dtype: torch.dtype,
-                     shared: bool = False) -> dict:
+                     shared: bool = False, in_slot: bool = False) -> dict:
         """A layer for the CPU: w4 g32 matrices repacked for the int4 kernel (no dense copy), others decoded per
-        use as decode_layer does. stored None: read from the file, the rest copied (a resident layer)."""
+        use as decode_layer does. stored None: read from the file, the rest copied (a resident layer). in_slot (a
+        ring slot's layer) changes nothing here: the repacked weights are made per pass."""
         views = self._views(index, self.layer(index) if stored is None else stored)
         weights = spqr_packed.from_spqr_layer({name: self._matrix(views, name) for name in MATRICES}, dtype)
         rest = {name: t.to(dtype, copy=stored is None) for name, t in views.items() if "." not in name}

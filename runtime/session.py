@@ -51,7 +51,7 @@ class RuntimeConfig:
     gguf_import: bool = False       # a GGUF target is dequantized to a safetensors folder, not run in place
     batch_size: int | None = 1      # sequences decoded together (a KV cache slot each); None: auto, from the plan
     max_batch: int = 64             # the most auto picks (e.g. the number of requests to answer)
-    cpu_kernel: str = DEFAULT_CPU_KERNEL    # a GGUF's matrices on the CPU: packed (int4 kernel) or dense (fp32)
+    cpu_kernel: str = DEFAULT_CPU_KERNEL    # a GGUF's matrices on the CPU: auto, packed (int4 kernel), ggml or dense (fp32)
     draft_bits: int | None = None   # --draft self: bits per substitute weight (None: the most that fit)
 
     def __post_init__(self) -> None:

@@ -101,6 +101,31 @@ def test_a_missing_library_is_one_clear_error(monkeypatch, tmp_path):
     assert not ggml_linear.available()
 
 
+def _tiny_of(tmp_path, qtype: T):
+    names = [f"blk.{i}.{GGUF_LAYER_NAMES[name]}" for i in range(3) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+    return write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", types=dict.fromkeys(names, qtype))
+
+
+@pytest.mark.parametrize("found", [True, False], ids=["libggml", "no-libggml"])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_auto_takes_ggml_for_the_types_it_tiles_where_it_is_found(tmp_path, monkeypatch, qtype, found):
+    """--cpu-kernel auto (the commands' default): ggml for a GGUF mostly of Q4_0/Q4_K where a libggml is found, else
+    the int4 kernel, whose status line then names what would be faster."""
+    if found and not ggml_linear.available():
+        pytest.skip("no libggml (pip install llama-cpp-python)")
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
+    if not found:
+        monkeypatch.setenv(ggml_linear.LIBRARY_ENV, str(tmp_path))
+        monkeypatch.setattr(ggml_linear, "_LOADED", [])
+    statuses = []
+    loaded = load_model(_options(str(_tiny_of(tmp_path, qtype)), cpu_kernel="auto"), on_status=statuses.append)
+    line = next(s for s in statuses if s.startswith("CPU "))
+    on_ggml = qtype == T.Q4_0 and found
+    assert line.startswith("CPU ggml kernels: ") == on_ggml, line
+    assert isinstance(loaded.layers.resident[0]["o"], ggml_linear.GgmlWeight) == on_ggml
+    assert ("pip install llama-cpp-python" in line) == (qtype == T.Q4_0 and not found), line
+
+
 @needs_ggml
 def test_a_gguf_on_ggml_gives_the_same_logits_resident_and_streamed(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
@@ -136,8 +161,7 @@ def test_a_ring_slot_keeps_its_stacked_weights_for_each_layer_it_holds(tmp_path,
         def full(*args):
             raise OSError("no room")
         monkeypatch.setattr(kernel_cache, "_check_room", full)
-    names = [f"blk.{i}.{GGUF_LAYER_NAMES[name]}" for i in range(3) for name in ("q", "k", "v", "o", "gate", "up", "down")]
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", types=dict.fromkeys(names, qtype))
+    path = _tiny_of(tmp_path, qtype)
     resident = load_model(_options(str(path), cpu_kernel="ggml"))
     assert {"qkv", "gate_up"} <= set(resident.layers.resident[0])
     folder = resolve_model(str(path))

@@ -96,7 +96,7 @@ def test_the_status_line_names_what_the_kernel_multiplies_and_what_it_decodes(ti
 
 
 def test_an_unknown_cpu_kernel_is_refused():
-    with pytest.raises(ValueError, match="cpu kernel must be one of dense, packed, ggml, got 'int3'"):
+    with pytest.raises(ValueError, match="cpu kernel must be one of auto, dense, packed, ggml, got 'int3'"):
         LoadOptions(cpu_kernel="int3")
 
 

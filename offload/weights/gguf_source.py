@@ -199,6 +199,13 @@ class GgufSource:
         ggml_linear.ggml()
         self.kernel = ggml_linear
 
+    def suits_ggml(self) -> bool:
+        """Whether most of the layers' matrix bytes are of the types ggml repacks into its tiles (Q4_0, Q4_K), where
+        its products beat the int4 kernel's (docs/gguf.md "ggml's own kernels")."""
+        matrices = [info for layer in self._layers for info in layer.values() if len(info.shape) == 2]
+        tiled = sum(info.num_bytes or 0 for info in matrices if info.qtype in ggml_linear.REPACKED)
+        return 2 * tiled > sum(info.num_bytes or 0 for info in matrices)
+
     def kernel_split(self, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Layer `index`'s tensor names: (the matrices the int4 kernel takes, the rest: decoded before use)."""
         infos = self._layers[index]
@@ -287,8 +294,11 @@ class GgufSource:
         decoded = Counter(info.type_name for info in matrices if not self.kernel.takes(info.qtype, info.shape))
         line = "CPU ggml kernels: " if self.kernel is ggml_linear else "CPU packed int4 kernel: "
         line += ", ".join(f"{n} x{c}" for n, c in taken.most_common()) or "no matrix"
-        return line + ("; decoded to dense (the kernel takes not): " + ", ".join(
+        line += ("; decoded to dense (the kernel takes not): " + ", ".join(
             f"{n} x{c}" for n, c in decoded.most_common()) if decoded else "")
+        if self.kernel is packed_linear and self.suits_ggml() and not ggml_linear.available():
+            line += "; ggml's kernels would be faster on these types: pip install llama-cpp-python"
+        return line
 
 
 class DenseGgufLayers:
