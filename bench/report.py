@@ -225,7 +225,8 @@ def _llama(results, manifest, judge) -> str:
 def _cpu_shapes(results, manifest, judge) -> str:
     from bench.shapes_cost import markdown_table
     r = results["cpu_shapes"]
-    return (f"llama-cpp-python {r['llama_cpp_python']} and ours resident (`--cpu-kernel packed`), each in its own "
+    return (f"llama-cpp-python {r['llama_cpp_python']} and ours resident (`--cpu-kernel packed`, and `ggml` through "
+            "its libggml), each in its own "
             f"process, in turn, {r['threads']} threads, the same {r['prompt_tokens']} prompt ids; decode excludes "
             f"the prefill; prefill is one {r['config']['prefill_tokens']}-token pass from an empty cache. 1B and 8B "
             "rows: synthetic files of those decoder shapes (random valid blocks, the default tokenizer). Goals, "

@@ -102,9 +102,9 @@ def ggml_library(python: Path | None) -> str | None:
     return str(Path(found.stdout.strip()) / "lib") if found.returncode == 0 else None
 
 
-def _child(cmd: list[str], timeout: int, policy: str) -> dict:
+def _child(cmd: list[str], timeout: int, policy: str, extra_env: dict | None = None) -> dict:
     # PASSIVE as bench/peers.py (no spinning on a shared machine); "default" leaves the environment as a user has it
-    env = {**os.environ, **({} if policy == "default" else {"OMP_WAIT_POLICY": policy})}
+    env = {**os.environ, **({} if policy == "default" else {"OMP_WAIT_POLICY": policy}), **(extra_env or {})}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -125,13 +125,13 @@ def run_ours(path: Path, ids: dict, config: ShapesBenchConfig, tier: str, kernel
              ggml_lib: str | None = None) -> dict:
     if kernel == "ggml" and ggml_lib is None and not os.environ.get("SPECSTREAM_GGML_LIB"):
         return {"error": "no libggml: no llama.cpp environment with llama-cpp-python"}
-    if kernel == "ggml" and ggml_lib:
-        os.environ.setdefault("SPECSTREAM_GGML_LIB", ggml_lib)                 # the child inherits it
+    # the child's ggml: the environment's own SPECSTREAM_GGML_LIB, else the llama.cpp environment's libggml
+    extra_env = {"SPECSTREAM_GGML_LIB": ggml_lib} if ggml_lib and not os.environ.get("SPECSTREAM_GGML_LIB") else {}
     cfg = {**ids, "path": str(path), "tier": tier, "kernel": kernel, "threads": config.threads,
            "max_context": config.prefill_tokens + config.new_tokens + 64, "new_tokens": config.new_tokens,
            "warmup_tokens": config.warmup_tokens, "stream_steps": config.stream_steps}
     return _child([sys.executable, "-m", "bench.shapes_ours", "--cfg", json.dumps(cfg)], config.timeout,
-                  config.omp_wait_policy)
+                  config.omp_wait_policy, extra_env)
 
 
 def _median_of(runs: list[dict]) -> dict:

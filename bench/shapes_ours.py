@@ -3,8 +3,9 @@ memory, mappings or threads): `python -m bench.shapes_ours --cfg JSON` prints on
 
 resident  every layer resident, the cfg's kernel (packed, ggml): greedy one-token steps after the prompt (prefill
           untimed, as bench/llama_cpp_runner.py times llama.cpp), a profile of those steps (the int4
-          kernel's time per token against the rest), then one timed 512-token prefill from an empty cache (one
-          prompt chunk, as decoding passes it)
+          kernel's time per token against the rest), one timed 512-token prefill from an empty cache (one
+          prompt chunk, as decoding passes it), then a pass's time by its rows after the prompt (PASS_ROWS: a
+          tree pass's products, each row with a one-row pass's bits)
 ram/disk  every layer streamed from host RAM, or from the file with the page cache dropped before each
           pass (disk-cold), with the cfg's kernel: one-token steps after a 16-token prompt"""
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runtime.models import load_model
 
 INT4_KERNEL = "aten::_weight_int4pack_mm_for_cpu"
 STREAM_PROMPT = 16
+PASS_ROWS = (1, 4, 16, 64)
 
 
 def _load(cfg: dict, tier: str, kernel: str):
@@ -94,7 +96,23 @@ def resident(cfg: dict) -> dict:
             "token_ids": token_ids, "seconds_per_token": round(seconds / num_steps, 5),
             "tokens_per_second": round(num_steps / seconds, 3), "profile": profiled,
             "prefill_tokens": len(cfg["prefill_ids"]), "prefill_seconds": round(prefill, 3),
-            "prefill_tokens_per_second": round(len(cfg["prefill_ids"]) / prefill, 3)}
+            "prefill_tokens_per_second": round(len(cfg["prefill_ids"]) / prefill, 3),
+            "pass_ms_by_rows": _pass_curve(loaded.model, cfg["prompt_ids"], cfg["prefill_ids"])}
+
+
+def _pass_curve(model, prompt: list[int], ids: list[int], repeats: int = 3) -> dict[str, float]:
+    """rows -> the median ms of one pass of that many rows after the prompt (no prompt chunks: every row is
+    multiplied as a tree pass's are)."""
+    curve = {}
+    for rows in PASS_ROWS:
+        times = []
+        for _ in range(repeats):
+            cache = model.new_cache(len(prompt) + rows + 1)
+            model.forward(torch.tensor([prompt]), cache, last_only=True, prompt_chunks=[(0, len(prompt))])
+            seconds, _ = _timed(lambda: model.forward(torch.tensor([ids[:rows]]), cache))
+            times.append(seconds)
+        curve[str(rows)] = round(sorted(times)[repeats // 2] * 1e3, 2)
+    return curve
 
 
 def streamed(cfg: dict, tier: str, kernel: str) -> dict:

@@ -61,7 +61,9 @@ def test_verdict_and_table():
     assert row["why"]["rest_ms"] == 60.0 and row["why"]["ours_kernel_gbps"] == 8.0
     assert row["why"]["llama_cpp_gbps"] == 10.0 and row["why"]["kernel_alone_over_llama_cpp"] == 0.667
     lines = markdown_table({"files": [row]}).splitlines()
-    assert len(lines) == 3 and "| 0.5 (0.8) |" in lines[2] and "| 1.5 / - |" in lines[2]
+    assert len(lines) == 3 and "| 0.5 (0.8) | - |" in lines[2] and "| 1.5 / - / - |" in lines[2]
+    row.update(ours_ggml_over_llama_cpp=0.9, streamed={"ram_ggml": {"tokens_per_second": 3.0}})
+    assert "| 0.5 (0.8) | 0.9 |" in markdown_table({"files": [row]}) and "| - / - / 3.0 |" in markdown_table({"files": [row]})
 
 
 def test_the_wait_policy_is_one_openmp_knows():
