@@ -6,6 +6,7 @@ These need ggml's CPU library (llama-cpp-python's, or the folder SPECSTREAM_GGML
 are skipped, except the one that checks the error a missing library gives."""
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import numpy as np
@@ -99,6 +100,28 @@ def test_a_missing_library_is_one_clear_error(monkeypatch, tmp_path):
     with pytest.raises(ggml_linear.GgmlMissingError, match="pip install llama-cpp-python, or set SPECSTREAM_GGML_LIB"):
         ggml_linear.ggml()
     assert not ggml_linear.available()
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", ggml_linear.GGML_TYPES, ids=lambda t: t.name)
+def test_stored_bytes_multiply_as_the_weight_they_came_from_in_a_host_buffer(qtype):
+    """What the kernel layer cache stores of a weight (a repacked one's tiles) gives its products back from a
+    host_buffer, a ring slot's memory, without repacking; the buffer is freed with its last tensor."""
+    weight, raw = _weight(qtype, (64, 512), seed=3)
+    stored = weight.stored_bytes()
+    assert torch.equal(stored, raw) != weight.repacked            # tiles differ from the blocks; the rest are them
+    slot = ggml_linear.host_buffer(stored.numel() + 4096)
+    assert slot.data_ptr() % 4096 == 0
+    slot[256:256 + stored.numel()].copy_(stored)
+    tiles = ggml_linear.from_tiles(slot[256:256 + stored.numel()], qtype, (64, 512))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiles.matmul(x), weight.matmul(x))
+    with pytest.raises(ValueError, match="in a host_buffer"):
+        ggml_linear.from_tiles(stored, qtype, (64, 512))          # tiles outside ggml's buffers are refused
+    before = len(ggml_linear._HOST_BUFFERS)
+    del slot, tiles
+    gc.collect()
+    assert len(ggml_linear._HOST_BUFFERS) == before - 1
 
 
 def _tiny_of(tmp_path, qtype: T):
