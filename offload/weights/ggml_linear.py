@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -239,8 +240,8 @@ class GgmlWeight:
 
     def _place_in_host_buffer(self, lib: _Ggml) -> None:
         start, size = self.raw.data_ptr(), self.raw.numel()
-        found = next((buffer for begin, (end, buffer) in _HOST_BUFFERS.items() if begin <= start and start + size <= end),
-                     None)
+        found = next((buffer for begin, (end, buffer) in _HOST_BUFFERS.copy().items()     # (a finalizer may pop one)
+                      if begin <= start and start + size <= end), None)
         if found is None or start % ALIGN or not self.raw.is_contiguous():
             raise ValueError("ggml's tiles must lie 32-byte aligned in a host_buffer")
         if lib.tensor_alloc(found, self._tensor, start) != 0:
@@ -259,8 +260,8 @@ class GgmlWeight:
         stay. False where an in-place weight would have to read other memory (then make a new weight)."""
         if self.tiles:                # the tiles are read where they lie: only the same place will do
             return len(parts) == 1 and parts[0].data_ptr() == self.raw.data_ptr()
-        if self.owns:
-            torch.cat(parts, out=self.raw) if len(parts) > 1 else self.raw.copy_(parts[0])
+        if self.owns:                 # numpy on the calling thread: no OpenMP team of its own (host_io.copy_host)
+            np.concatenate([part.numpy() for part in parts], out=self.raw.numpy())
         elif len(parts) > 1:
             return False
         elif self.repacked:
