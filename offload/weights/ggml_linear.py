@@ -7,7 +7,9 @@ no faster than the int4 kernel; bench/results/cpu_products_vs_ggml.json). This m
 through the libggml that llama-cpp-python installs (ctypes, no build here; or the folder SPECSTREAM_GGML_LIB
 names): Q4_0 and Q4_K matrices are copied into ggml's repack buffer, the other types are read where they lie (a
 view of the mapped file, or of a ring slot), and each product is a one-node ggml graph on ggml's CPU backend
-over torch's own x and y.
+over torch's own x and y. Streamed, the kernel layer cache (kernel_cache.py) holds each layer as ggml multiplies
+it (stored_bytes: a repacked weight's tiles) and the ring's slots are ggml's own buffers (host_buffer), so a
+streamed layer is multiplied where it was read (from_tiles), its slot's weights and graphs kept (WeightPool).
 
 Row-exact (a row's bits never depend on the rows beside it: speculation stays exact, layers.py): measured on
 this build, Q4_0 (repacked), Q4_1, Q5_0, Q5_1 and Q8_0 products give every row a one-row product's bits at any
