@@ -388,18 +388,13 @@ def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]], po
     keep the bits of the separate products'), as packed_linear stacks them. With a pool (a streamed layer's ring
     slot), the slot's weights from its earlier layers are refilled instead of made anew. own: every weight holds
     its blocks in memory of its own (a resident layer: not the mapped file, which the page cache could drop)."""
-    weights = {}
-    for name, (parts, qtype, shape) in stacking(matrices).items():
-        weight = pool.get(name, qtype, shape) if pool is not None else None
-        if weight is None or not weight.refill(parts):
-            if len(parts) > 1 or (own and not repacks(qtype, shape[0])):   # (a repacked weight is ggml's own copy)
-                weight = GgmlWeight(torch.cat(parts), qtype, shape, owns=True)
-            else:
-                weight = from_gguf(parts[0], qtype, shape)
-            if pool is not None:
-                pool.put(name, weight)
-        weights[name] = weight
-    return weights
+    def made(parts: list[Tensor], qtype: T, shape: tuple[int, int]) -> GgmlWeight:
+        if len(parts) > 1 or (own and not repacks(qtype, shape[0])):   # (a repacked weight is ggml's own copy)
+            return GgmlWeight(torch.cat(parts), qtype, shape, owns=True)
+        return from_gguf(parts[0], qtype, shape)
+
+    pool = WeightPool() if pool is None else pool      # a pool of its own: every weight made
+    return {name: pool.weight(name, parts, qtype, shape, made) for name, (parts, qtype, shape) in stacking(matrices).items()}
 
 
 def stacking(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, tuple[list[Tensor], T, tuple]]:
@@ -427,19 +422,23 @@ class WeightPool:
     def __init__(self) -> None:
         self._weights: dict[tuple, GgmlWeight] = {}
 
-    def get(self, name: str, qtype: int, shape: tuple[int, int]) -> GgmlWeight | None:
-        return self._weights.get((name, int(qtype), tuple(shape)))
-
-    def put(self, name: str, weight: GgmlWeight) -> None:
-        self._weights[(name, int(weight.qtype), weight.shape)] = weight
+    def weight(self, name: str, parts: list[Tensor], qtype: int, shape: tuple[int, int], make) -> GgmlWeight:
+        """The slot's weight `name` refilled with `parts`, or make(parts, qtype, shape) where it has none that takes
+        them."""
+        key = (name, int(qtype), tuple(shape))
+        weight = self._weights.get(key)
+        if weight is None or not weight.refill(parts):
+            weight = self._weights[key] = make(parts, T(qtype), tuple(shape))
+        return weight
 
     def tiles(self, name: str, raw: Tensor, qtype: int, shape: tuple[int, int]) -> GgmlWeight:
         """The slot's weight over stored_bytes at `raw` (from_tiles), made where the slot has none there."""
-        weight = self.get(name, qtype, shape)
-        if weight is None or not weight.refill([raw]):
-            weight = from_tiles(raw, qtype, shape)
-            self.put(name, weight)
-        return weight
+        return self.weight(name, [raw], qtype, shape, lambda parts, qtype, shape: from_tiles(parts[0], qtype, shape))
+
+
+def slot_pool(pools: dict[int, WeightPool], stored: Tensor) -> WeightPool:
+    """The WeightPool of the ring slot whose buffer holds `stored` (keyed by its storage, as workspaces are)."""
+    return pools.setdefault(stored.untyped_storage().data_ptr(), WeightPool())
 
 
 def build_key() -> list:
@@ -449,6 +448,8 @@ def build_key() -> list:
 
 
 def empty_layer(specs: dict[str, tuple[int, tuple[int, int]]], device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """The bytes from_gguf_layer holds per matrix, unfilled (on "meta": a layer's layout without reading it)."""
+    """The bytes from_gguf_layer holds per weight (q/k/v and gate/up stacked as it stacks them), unfilled (on
+    "meta": a layer's layout without reading it)."""
+    stacked = stacking({name: (None, qtype, shape) for name, (qtype, shape) in specs.items()})
     return {name: torch.empty(packed_nbytes(qtype, shape), dtype=torch.uint8, device=device)
-            for name, (qtype, shape) in specs.items()}
+            for name, (_, qtype, shape) in stacked.items()}

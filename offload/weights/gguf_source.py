@@ -242,8 +242,7 @@ class GgufSource:
                     for name in self.kernel_split(index)[0]}
         if self.kernel is not ggml_linear:
             return self.kernel.from_gguf_layer(matrices)
-        slot = next(iter(stored.values())).untyped_storage().data_ptr()       # keyed by the slot, as workspaces
-        pool = self._ggml_pools.setdefault(slot, ggml_linear.WeightPool()) if in_slot else None
+        pool = ggml_linear.slot_pool(self._ggml_pools, next(iter(stored.values()))) if in_slot else None
         return ggml_linear.from_gguf_layer(matrices, pool, own)
 
     def decode_blocks(self, index: int, blocks: dict[str, Tensor], dtype: torch.dtype,

@@ -210,7 +210,7 @@ class KernelCachedSource:
         variant = self._variants[self._of_layer[index]]
         views = variant.layout.views(stored[BLOB][:variant.layout.num_bytes])
         if self.slot_buffer is not None:
-            pool = self._pools.setdefault(stored[BLOB].untyped_storage().data_ptr(), ggml_linear.WeightPool())
+            pool = ggml_linear.slot_pool(self._pools, stored[BLOB])
             weights = {name: pool.tiles(name, views[name], qtype, (num_out, num_in))
                        for name, num_out, num_in, qtype, _ in variant.weights}
         else:
