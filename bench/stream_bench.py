@@ -27,7 +27,8 @@ from offload.bandwidth import cold_read_gbps, copy_gbps
 
 def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_tokens: list[int], device: str = "auto",
                      dtype: str = "auto", repeats: int = 3, on_status=None, direct_reads: bool = True,
-                     ring_size: int | None = None, beside_compute: bool = False) -> dict:
+                     ring_size: int | None = None, beside_compute: bool = False,
+                     loaders: int | None = None) -> dict:
     if tier not in ("ram", "disk"):
         raise ValueError(f"tier must be ram or disk, got {tier!r}")
     max_tokens = max(pass_tokens)
@@ -36,6 +37,8 @@ def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_to
                           direct_reads=direct_reads)
     if ring_size is not None:
         options.ring_size = ring_size
+    if loaders is not None:
+        options.loaders = loaders
     if gpu_mem is None:   # the least that runs: every layer streams
         options.gpu_mem = gpu_mem = streaming_device_budget(options)
     loaded = load_model(options, on_status)
@@ -52,7 +55,8 @@ def run_stream_bench(target: str | None, gpu_mem: int | None, tier: str, pass_to
               "disk_reads": ("direct" if loaded.layers.disk.is_direct else "buffered") if loaded.layers.disk else None,
               "dtype": str(loaded.model.dtype).removeprefix("torch."),
               "layers": {t: loaded.plan.tier_of.count(t) for t in ("device", "ram", "disk")},
-              "layer_bytes": loaded.layers.layout.num_bytes, "ring_size": len(loaded.layers.slots), "passes": rows}
+              "layer_bytes": loaded.layers.layout.num_bytes, "ring_size": len(loaded.layers.slots),
+              "loaders": loaded.layers.num_loaders, "passes": rows}
     if hasattr(loaded.source, "packed_bytes"):
         result.update(_packed_figures(loaded, rows))
     return result
@@ -99,6 +103,7 @@ def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: lis
     _one_pass(model, tokens)   # warm-up (and fills the ring for the first measured pass)
     best, paired, beside = None, [], []
     for _ in range(repeats):
+        layers.wait_filled()   # the loaders' read-ahead into the next pass done: the tier is timed alone
         if beside_compute:
             beside.append(_beside_compute(loaded, lambda: _raw_bandwidth(loaded, tier)))
         raw_gbps = _raw_bandwidth(loaded, tier)

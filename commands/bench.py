@@ -82,7 +82,7 @@ def _bench_stream(args, console) -> dict:
     result = run_stream_bench(target, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tier, sizes,
                               args.device, args.dtype, args.repeats, on_status=on_status,
                               direct_reads=args.disk_reads == "direct", ring_size=args.ring_size,
-                              beside_compute=args.beside_compute)
+                              beside_compute=args.beside_compute, loaders=args.loaders)
     if synthetic:
         result["synthetic_gguf"] = synthetic
     if not args.json:

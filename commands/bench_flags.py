@@ -44,6 +44,9 @@ def stream_flags(stream) -> None:
                              "cache (default: direct)")
     stream.add_argument("--ring-size", type=int, default=None,
                         help="streamed layers in flight (default: the engine's, LoadOptions.ring_size)")
+    stream.add_argument("--loaders", type=int, default=None,
+                        help="threads loading streamed layers at once on a CPU (default: the engine's, "
+                             "LoadOptions.loaders)")
     stream.add_argument("--beside-compute", action="store_true",
                         help="also measure the tier's raw rate while a thread multiplies as a pass does, and the "
                              "efficiency against that rate")

@@ -74,9 +74,11 @@ class StreamingLayers:
     def __init__(self, layout: LayerLayout, resident: dict[int, dict[str, Tensor]], tier_of: list[str],
                  ram: RamTier | None, disk: DiskTier | None, device: torch.device, ring_size: int,
                  disk_cold: bool = False, decode=_as_stored, decode_ahead: bool = False, dense=None,
-                 slot_buffer=None) -> None:
+                 slot_buffer=None, loaders: int = 1) -> None:
         if ring_size < 1:
             raise ValueError(f"ring size must be >= 1, got {ring_size}")
+        if loaders < 1:
+            raise ValueError(f"loaders must be >= 1, got {loaders}")
         self.layout, self.resident, self.tier_of = layout, resident, tier_of
         self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
         self.decode_ahead = decode_ahead
@@ -88,8 +90,9 @@ class StreamingLayers:
         self._span_bytes = disk.span_bytes([i for i in self.streamed if tier_of[i] == "disk"]) if disk else 0
         self._offsets = {slot.name: slot.offset for slot in layout.slots}
         self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
+        self.num_loaders = min(loaders, len(self.slots)) if self._reads_concurrently() else 1
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._decoder: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
@@ -125,7 +128,7 @@ class StreamingLayers:
     def begin_pass(self, num_tokens: int) -> None:
         self.last_pass = PassStats(num_tokens)
         self._pass_start = time.perf_counter()
-        if self.streamed and self._thread is None:
+        if self.streamed and not self._threads:
             self._start_loader()
 
     def get(self, index: int) -> dict[str, Tensor]:
@@ -171,6 +174,17 @@ class StreamingLayers:
             self._next_use += 1
             self._cond.notify_all()
 
+    def wait_filled(self, timeout: float = 60.0) -> bool:
+        """Waits until the loaders have filled every slot ahead of the compute (they are idle then); False on
+        timeout or with no loader running. Benchmarks use it before timing a tier alone."""
+        deadline = time.perf_counter() + timeout
+        with self._cond:
+            while any(slot.state in ("free", "loading") for slot in self.slots):
+                if not self._threads or self._error is not None or time.perf_counter() > deadline:
+                    return False
+                self._cond.wait(POLL_SECONDS)
+        return True
+
     def end_pass(self) -> None:
         self.last_pass.seconds = time.perf_counter() - self._pass_start
         self.total.num_tokens += self.last_pass.num_tokens
@@ -191,7 +205,7 @@ class StreamingLayers:
     def close(self) -> None:
         """Stops the loader and decoder threads and joins them (a load in flight finishes first); the next
         pass starts them again."""
-        threads = [t for t in (self._thread, self._decoder) if t is not None]
+        threads = self._threads + ([self._decoder] if self._decoder is not None else [])
         if not threads:
             return
         with self._cond:
@@ -199,26 +213,37 @@ class StreamingLayers:
             self._cond.notify_all()
         for thread in threads:
             thread.join()
-        self._thread, self._decoder, self._stop = None, None, False
+        self._threads, self._decoder, self._stop = [], None, False
         _running_rings.discard(self)
 
     # loader thread -------------------------------------------------------------------------------
+    def _reads_concurrently(self) -> bool:
+        """Whether loads may run in several threads at once: on a CPU, where each streamed layer lands in its own
+        slot's memory (RAM copies, whole-layer O_DIRECT span reads), none through the disk tier's shared bounce
+        buffer. (A GPU's layers are large enough that one loader's gap between two reads is lost in them.)"""
+        return not self.is_cuda and all(self.tier_of[i] == "ram" or self.disk.span_plan(i) is not None for i in self.streamed)
+
     def _start_loader(self) -> None:
         self._error = None
         _running_rings.add(self)
-        self._thread = threading.Thread(target=self._loader_main, name="layer-loader", daemon=True)
-        self._thread.start()
+        # With n loaders, loader k fills the streamed layers k, k + n, k + 2n, ... (over all passes): n reads in
+        # flight, so the disk's queue never drains while one loader waits to be scheduled for its next read.
+        self._threads = [threading.Thread(target=self._loader_main, args=(k, self.num_loaders),
+                                          name=f"layer-loader-{k}", daemon=True) for k in range(self.num_loaders)]
+        for thread in self._threads:
+            thread.start()
         if self.decode_ahead:
             self._decoder = threading.Thread(target=self._decoder_main, name="layer-decoder", daemon=True)
             self._decoder.start()
 
-    def _loader_main(self) -> None:
-        load_count = self._next_use
+    def _loader_main(self, first: int = 0, step: int = 1) -> None:
+        load_count = self._next_use + first
         try:
             while True:
                 layer = self.streamed[load_count % len(self.streamed)]
                 slot = self.slots[load_count % len(self.slots)]
-                if not self._claim(slot, "free", None, layer, "loading"):
+                # the slot's previous layer (load_count - ring) must be released, not only any earlier one
+                if not self._claim(slot, "free", None, layer, "loading", released=load_count - len(self.slots)):
                     return
                 # O_DIRECT reads bypass the page cache: only buffered reads need it emptied to stay cold
                 if self.disk_cold and load_count % len(self.streamed) == 0 and self.disk and not self.disk.is_direct:
@@ -227,7 +252,7 @@ class StreamingLayers:
                 with self._cond:
                     slot.state = "loaded" if self.decode_ahead else "ready"
                     self._cond.notify_all()
-                load_count += 1
+                load_count += step
         except BaseException as err:  # handed to the compute thread, which raises it with context
             self._fail(err)
 
@@ -247,11 +272,13 @@ class StreamingLayers:
         except BaseException as err:
             self._fail(err)
 
-    def _claim(self, slot: _Slot, state: str, layer: int | None, new_layer: int, new_state: str) -> bool:
-        """Waits until `slot` is in `state` (holding `layer`, unless None), then moves it on; False when
-        the engine is stopping."""
+    def _claim(self, slot: _Slot, state: str, layer: int | None, new_layer: int, new_state: str,
+               released: int = -1) -> bool:
+        """Waits until `slot` is in `state` (holding `layer`, unless None) and the streamed use number `released`
+        has been released, then moves it on; False when the engine is stopping."""
         with self._cond:
-            while not (slot.state == state and layer in (None, slot.layer)) and not self._stop:
+            while not (slot.state == state and layer in (None, slot.layer) and self._next_use > released) \
+                    and not self._stop:
                 self._cond.wait(POLL_SECONDS)
             if self._stop:
                 return False
@@ -316,7 +343,7 @@ class StreamingLayers:
         if self._error is not None:
             err = self._error
             raise StreamError(f"loading decoder layer {index} from {self.tier_of[index]} failed: {err}") from err
-        if self._thread is None or not self._thread.is_alive():
+        if not self._threads or not all(thread.is_alive() for thread in self._threads):
             raise StreamError(f"the layer loader is not running (layer {index} was never loaded)")
         if self.decode_ahead and (self._decoder is None or not self._decoder.is_alive()):
             raise StreamError(f"the layer decoder is not running (layer {index} was never decoded)")

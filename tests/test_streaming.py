@@ -89,8 +89,68 @@ def test_ring_wraps_into_the_next_pass(folder):
     engine.layers.close()
 
 
+@pytest.mark.parametrize("ring_size", [2, 3, 4])
+def test_two_loaders_filling_the_ring_out_of_order_still_match_resident(folder, ring_size, monkeypatch):
+    import offload.stream
+    prompt = [5, 17, 99, 3, 42]
+    resident, _ = _engine(folder, "device")
+    expected_tokens, expected_logits = _greedy(resident.model, prompt)
+    real_copy = offload.stream.copy_host
+
+    def lagging_first_loader(target, source):   # loader 1's layers land before loader 0's
+        if threading.current_thread().name == "layer-loader-0":
+            time.sleep(0.003)
+        real_copy(target, source)
+
+    monkeypatch.setattr(offload.stream, "copy_host", lagging_first_loader)
+    engine, _ = _engine(folder, "ram", ring_size, loaders=2)
+    assert len(engine.layers.streamed) > ring_size and engine.layers.num_loaders == 2
+    tokens, logits = _greedy(engine.model, prompt)
+    assert engine.layers.wait_filled(5)            # after a pass both loaders read ahead, then every slot is full
+    assert all(slot.state == "ready" for slot in engine.layers.slots)
+    engine.layers.close()
+    assert tokens == expected_tokens
+    assert torch.equal(logits, expected_logits)
+
+
+def test_a_lagging_loader_keeps_its_slot_from_the_loader_ahead(folder, monkeypatch):
+    """Ring of 3, 2 loaders: slot 0 holds uses 0, 3, 6, ... of which loader 1 loads 3. Loader 1 is made slow to
+    claim, so loader 0 reaches use 6 while slot 0 waits for use 3: it must not take the slot (a hang)."""
+    import offload.stream
+    real_claim = offload.stream.StreamingLayers._claim
+
+    def lagging_claim(self, *args, **kwargs):
+        if threading.current_thread().name == "layer-loader-1":
+            time.sleep(0.02)
+        return real_claim(self, *args, **kwargs)
+
+    resident, _ = _engine(folder, "device")
+    expected, _ = _greedy(resident.model, [5, 17, 99], steps=4)
+    monkeypatch.setattr(offload.stream.StreamingLayers, "_claim", lagging_claim)
+    engine, _ = _engine(folder, "ram", 3, loaders=2)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(tokens=_greedy(engine.model, [5, 17, 99], steps=4)[0]),
+                              daemon=True)
+    worker.start()
+    worker.join(20)
+    hung = worker.is_alive()
+    engine.layers.close()
+    assert not hung and result["tokens"] == expected
+
+
+def test_loads_through_a_shared_buffer_keep_one_loader(folder):
+    buffered, _ = _engine(folder, "disk", 3, direct_reads=False)       # reads scatter through one scratch buffer
+    assert buffered.layers.num_loaders == 1
+    buffered.layers.close()
+    one, _ = _engine(folder, "ram", 3, loaders=1)
+    assert one.layers.num_loaders == 1
+    one.layers.close()
+    with pytest.raises(ValueError, match="loaders must be >= 1"):
+        LoadOptions(loaders=0)
+
+
 def _loader_threads():
-    return [t for t in threading.enumerate() if t.name in ("layer-loader", "layer-decoder")]
+    return [t for t in threading.enumerate() if t.name.startswith(("layer-loader", "layer-decoder"))]
 
 
 def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch):
