@@ -15,7 +15,9 @@ each). The JSON report is an acceptance source `plan --acceptance` reads (perf/r
 
 `--draft self`: the target's self-draft, substitutes for every layer past the first `--resident-layers` (as a plan
 that keeps those resident streams the rest); the target writes each step's accepted keys into the shared cache.
-A run checkpoints each (budget, prompt) in the model cache and resumes there when run again with the same flags.
+A run checkpoints each (budget, prompt) in the model cache and resumes there when run again with the same flags;
+`--checkpoint-dir` keeps the checkpoints in another folder (one copied from another machine resumes there: a file's
+name is a hash of the flags that decide its results).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class TreeSimulationConfig:
     resident_layers: int = 3                  # a self-draft's layers kept as they are (the rest substituted)
     cpu_kernel: str = DEFAULT_CPU_KERNEL       # a GGUF target's products (packed: the int4 kernel)
     growth_temperature: float | None = None   # a self-draft's trees (None: self_draft.growth_temperature's pick)
+    checkpoint_dir: Path | None = None        # None: the model cache's tree_simulation folder
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 2 or not self.budgets or min(self.budgets) < 1:
@@ -81,8 +84,8 @@ class TreeSimulationConfig:
 class Checkpoint:
     """Finished work of a run, one JSON line each, in the model cache: a rerun with the same flags resumes."""
 
-    def __init__(self, name: str) -> None:
-        self.path = cache_root() / "tree_simulation" / f"{name}.jsonl"
+    def __init__(self, name: str, folder: Path | None = None) -> None:
+        self.path = (folder or cache_root() / "tree_simulation") / f"{name}.jsonl"
         self.done: dict[str, object] = {}
         if self.path.is_file():
             for line in self.path.read_text().splitlines():
@@ -112,7 +115,7 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
     draft, run_one = _drafting(config, target, on_status)
     growth = [] if draft.growth_temperature == 1.0 else [f"growth temperature {draft.growth_temperature}"]
     checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth,
-                                       SIMULATION_VERSION))
+                                       SIMULATION_VERSION), config.checkpoint_dir)
     rows = []
     for budget in config.budgets:
         passes, seconds = [], 0.0
@@ -139,7 +142,7 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
 
 def _answers(config: TreeSimulationConfig, target, prompts: list[list[int]], on_status) -> list[list[int]]:
     """The target's greedy answers, decoded once per target and prompt set (and kept in the checkpoint)."""
-    checkpoint = Checkpoint(config.key("answers"))
+    checkpoint = Checkpoint(config.key("answers"), config.checkpoint_dir)
     answers = checkpoint.get("answers")
     if answers is None or len(answers) != len(prompts):
         on_status(f"greedy answers to {len(prompts)} prompts")

@@ -163,7 +163,7 @@ def _bench_tree_simulation(args, console) -> dict:
     from bench.tree_simulation import TreeSimulationConfig, run_tree_simulation
     config = TreeSimulationConfig(args.target, args.draft, args.prompts, args.limit, args.max_new_tokens,
                                   _integers(args.budgets, "--budgets"), args.draft_bits, args.resident_layers,
-                                  args.cpu_kernel, args.growth_temperature)
+                                  args.cpu_kernel, args.growth_temperature, args.checkpoint_dir)
     return run_tree_simulation(config, on_status=_on_status(console))
 
 

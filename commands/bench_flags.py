@@ -155,6 +155,9 @@ def tree_simulation_flags(simulation) -> None:
     simulation.add_argument("--growth-temperature", type=float, default=None,
                             help="--draft self: the temperature its trees grow at for the greedy target (default: "
                                  "by the substitutes' weight error)")
+    simulation.add_argument("--checkpoint-dir", type=Path, default=None,
+                            help="where the run's finished (budget, prompt) items are kept and resumed from; a copy "
+                                 "from another machine resumes there (default: the model cache)")
     add_cpu_kernel(simulation)
 
 

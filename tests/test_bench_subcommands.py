@@ -51,8 +51,9 @@ def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys
     lines = textdata.path(textdata.CHAT_PROMPTS).read_text().splitlines()
     (tmp_path / "first.jsonl").write_text(lines[0] + "\n")
     (tmp_path / "second.jsonl").write_text(lines[1] + "\n")
-    assert cli.main(["bench", "tree-simulation", "--prompts", str(tmp_path / "first.jsonl"),
-                     str(tmp_path / "second.jsonl"), "--max-new-tokens", "12", "--budgets", "1,8", "--json"]) == 0
+    argv = ["bench", "tree-simulation", "--prompts", str(tmp_path / "first.jsonl"), str(tmp_path / "second.jsonl"),
+            "--max-new-tokens", "12", "--budgets", "1,8", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--json"]
+    assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 2 and [row["budget"] for row in result["rows"]] == [1, 8]
     assert result["rows"][0]["tokens_per_pass"] == 1.0 < result["rows"][1]["tokens_per_pass"]
@@ -63,3 +64,21 @@ def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys
     (tmp_path / "simulation.json").write_text(json.dumps(result))
     curve = load_acceptance_curve(tmp_path / "simulation.json")
     assert curve.points == [(row["budget"], row["tokens_per_pass"]) for row in result["rows"]]
+    _resumes_from_its_checkpoint_folder(argv, result, tmp_path / "checkpoints", capsys)
+
+
+def _resumes_from_its_checkpoint_folder(argv: list[str], result: dict, folder, capsys) -> None:
+    """A rerun reads every finished item from --checkpoint-dir: an item edited there changes the report."""
+    files = sorted(folder.glob("*.jsonl"))
+    assert len(files) == 2                                  # the target's answers, the draft's passes
+    passes = next(f for f in files if '"8/0"' in f.read_text())
+    lines = [json.loads(line) for line in passes.read_text().splitlines()]
+    for line in lines:
+        if line["key"] == "8/0":
+            line["value"]["passes"] = 1                     # as if the whole first answer took one pass
+    passes.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main(argv) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["rows"][0] == result["rows"][0]
+    first_answer = again["rows"][1]["tokens_per_pass_by_prompt"][0]
+    assert first_answer > result["rows"][1]["tokens_per_pass_by_prompt"][0] and first_answer >= 10
