@@ -17,7 +17,9 @@ each). The JSON report is an acceptance source `plan --acceptance` reads (perf/r
 that keeps those resident streams the rest); the target writes each step's accepted keys into the shared cache.
 A run checkpoints each (budget, prompt) in the model cache and resumes there when run again with the same flags;
 `--checkpoint-dir` keeps the checkpoints in another folder (one copied from another machine resumes there: a file's
-name is a hash of the flags that decide its results).
+name is a hash of the flags that decide its results). `--shard K/N` simulates only every N-th prompt from the K-th,
+into the same checkpoint: N processes (one a core) share a run, and the same command without `--shard` then
+reports every prompt from their items.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class TreeSimulationConfig:
     cpu_kernel: str = DEFAULT_CPU_KERNEL       # a GGUF target's products (packed: the int4 kernel)
     growth_temperature: float | None = None   # a self-draft's trees (None: self_draft.growth_temperature's pick)
     checkpoint_dir: Path | None = None        # None: the model cache's tree_simulation folder
+    shard: tuple[int, int] | None = None      # (k, n): only the prompts i with i % n == k (one of n processes)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 2 or not self.budgets or min(self.budgets) < 1:
@@ -66,6 +69,8 @@ class TreeSimulationConfig:
                              f"and {self.budgets}")
         if self.resident_layers < 0:
             raise ValueError(f"--resident-layers must be >= 0, got {self.resident_layers}")
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise ValueError(f"--shard takes K/N with 0 <= K < N, got {self.shard[0]}/{self.shard[1]}")
         SubstituteConfig(self.draft_bits)
         if self.growth_temperature is not None and (not self.growth_temperature > 0 or not self.is_self):
             raise ValueError(f"--growth-temperature takes a positive number, with --draft self; got "
@@ -116,27 +121,30 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
     growth = [] if draft.growth_temperature == 1.0 else [f"growth temperature {draft.growth_temperature}"]
     checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth,
                                        SIMULATION_VERSION), config.checkpoint_dir)
+    chosen = [i for i in range(len(prompts)) if config.shard is None or i % config.shard[1] == config.shard[0]]
+    files, answers = [sources[i][0] for i in chosen], [answers[i] for i in chosen]
     rows = []
     for budget in config.budgets:
         passes, seconds = [], 0.0
-        for index, (prompt, answer) in enumerate(zip(prompts, answers)):
+        for index, answer in zip(chosen, answers):
             done = checkpoint.get(f"{budget}/{index}")
             if done is None:
                 start = time.perf_counter()
-                done = {"passes": run_one(prompt, answer, budget), "seconds": time.perf_counter() - start}
+                done = {"passes": run_one(prompts[index], answer, budget), "seconds": time.perf_counter() - start}
                 checkpoint.put(f"{budget}/{index}", done)
             passes.append(done["passes"])
             seconds += done["seconds"]
         tokens = sum(len(a) - 1 for a in answers)
         rows.append({"budget": budget, "tokens_per_pass": round(tokens / max(sum(passes), 1), 4),
-                     "tokens_per_pass_by_file": _by_file([name for name, _ in sources], answers, passes),
+                     "tokens_per_pass_by_file": _by_file(files, answers, passes),
                      "tokens_per_pass_by_prompt": [round((len(a) - 1) / max(n, 1), 3) for a, n in zip(answers, passes)],
                      "draft_seconds": round(seconds, 1)})
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
     return {"bench": TREE_SIMULATION, "target": target.path.name, "draft": _draft_name(config, draft),
             "draft_dtype": str(draft.model.dtype).removeprefix("torch."), "cpu_kernel": config.cpu_kernel,
             "growth_temperature": draft.growth_temperature,
-            "num_prompts": len(prompts),
+            **({"shard": f"{config.shard[0]}/{config.shard[1]}"} if config.shard else {}),
+            "num_prompts": len(chosen),
             "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in answers), "rows": rows}
 
 

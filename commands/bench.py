@@ -159,11 +159,21 @@ def _bench_quant_disk(args, console) -> dict:
     return result
 
 
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    parts = text.split("/")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise ValueError(f"--shard takes K/N (e.g. 0/2), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _bench_tree_simulation(args, console) -> dict:
     from bench.tree_simulation import TreeSimulationConfig, run_tree_simulation
     config = TreeSimulationConfig(args.target, args.draft, args.prompts, args.limit, args.max_new_tokens,
                                   _integers(args.budgets, "--budgets"), args.draft_bits, args.resident_layers,
-                                  args.cpu_kernel, args.growth_temperature, args.checkpoint_dir)
+                                  args.cpu_kernel, args.growth_temperature, args.checkpoint_dir,
+                                  _shard(args.shard))
     return run_tree_simulation(config, on_status=_on_status(console))
 
 

@@ -158,6 +158,9 @@ def tree_simulation_flags(simulation) -> None:
     simulation.add_argument("--checkpoint-dir", type=Path, default=None,
                             help="where the run's finished (budget, prompt) items are kept and resumed from; a copy "
                                  "from another machine resumes there (default: the model cache)")
+    simulation.add_argument("--shard", default=None, metavar="K/N",
+                            help="only the prompts i with i %% N == K, into the same checkpoint: N processes share a "
+                                 "run, then the command without --shard reports every prompt (default: all)")
     add_cpu_kernel(simulation)
 
 

@@ -37,6 +37,8 @@ def test_a_name_outside_the_table_is_one_error_line(capsys):
     (["startup", "--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["tree-simulation", "--budgets", "4,x"], "--budgets takes comma-separated integers"),
     (["tree-simulation", "--growth-temperature", "0.5"], "--growth-temperature takes a positive number, with --draft self"),
+    (["tree-simulation", "--shard", "2/2"], "--shard takes K/N with 0 <= K < N, got 2/2"),
+    (["tree-simulation", "--shard", "1"], "--shard takes K/N (e.g. 0/2), got '1'"),
     (["tree-simulation", "--draft", "self", "--growth-temperature", "0"], "--growth-temperature takes a positive"),
     (["stream", "--tokens", "0"], "--tokens takes positive integers"),
     (["quant", "--natural-weights", "--target", "x"], "give it or --target, not both"),
@@ -65,6 +67,7 @@ def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys
     curve = load_acceptance_curve(tmp_path / "simulation.json")
     assert curve.points == [(row["budget"], row["tokens_per_pass"]) for row in result["rows"]]
     _resumes_from_its_checkpoint_folder(argv, result, tmp_path / "checkpoints", capsys)
+    _shards_share_one_run(argv, result, tmp_path / "shards", capsys)
 
 
 def _resumes_from_its_checkpoint_folder(argv: list[str], result: dict, folder, capsys) -> None:
@@ -82,3 +85,19 @@ def _resumes_from_its_checkpoint_folder(argv: list[str], result: dict, folder, c
     assert again["rows"][0] == result["rows"][0]
     first_answer = again["rows"][1]["tokens_per_pass_by_prompt"][0]
     assert first_answer > result["rows"][1]["tokens_per_pass_by_prompt"][0] and first_answer >= 10
+
+
+def _shards_share_one_run(argv: list[str], result: dict, folder, capsys) -> None:
+    """Two shards simulate a prompt each into one checkpoint; the unsharded command then reports both from it."""
+    argv = [*argv[:argv.index("--checkpoint-dir") + 1], str(folder), "--json"]
+    for shard in ("0/2", "1/2"):
+        assert cli.main([*argv, "--shard", shard]) == 0
+        part = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert part["shard"] == shard and part["num_prompts"] == 1
+    items = [json.loads(line)["key"] for path in folder.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert sorted(items) == ["1/0", "1/1", "8/0", "8/1", "answers"]    # one checkpoint: the full run's items
+    assert cli.main(argv) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "shard" not in whole
+    keep = ("budget", "tokens_per_pass", "tokens_per_pass_by_file", "tokens_per_pass_by_prompt")
+    assert [{k: row[k] for k in keep} for row in whole["rows"]] == [{k: row[k] for k in keep} for row in result["rows"]]

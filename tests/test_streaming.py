@@ -153,11 +153,12 @@ def _loader_threads():
     return [t for t in threading.enumerate() if t.name.startswith(("layer-loader", "layer-decoder"))]
 
 
-def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch):
+@pytest.mark.parametrize("ring_size", [1, 3])     # one loader; two (on a file system with O_DIRECT)
+def test_read_error_mid_pass_raises_clearly_and_never_hangs(folder, monkeypatch, ring_size):
     import errno
 
     import offload.disk_reads
-    engine, _ = _engine(folder, "disk", ring_size=1)
+    engine, _ = _engine(folder, "disk", ring_size=ring_size)
     real_preadv, calls = offload.disk_reads.os.preadv, {"n": 0}
 
     def failing_preadv(*args):   # the disk goes bad a few reads into the pass (one read per layer)
