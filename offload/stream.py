@@ -3,8 +3,9 @@
 A loader thread walks the streamed layers in pass order forever (wrapping into the next pass),
 filling slot k % ring_size with the k-th streamed layer as soon as the compute that used the slot
 last has released it; so the copy of layer i+k overlaps the compute of layer i, and the next pass's
-first layers load while the current pass finishes. The planner decides which layers stream from
-which tier; this engine only executes.
+first layers load while the current pass finishes. On a CPU two loader threads share the walk (every
+other layer each), so a second read is in flight while one loader waits for a core. The planner decides
+which layers stream from which tier; this engine only executes.
 """
 from __future__ import annotations
 
@@ -221,7 +222,8 @@ class StreamingLayers:
         """Whether loads may run in several threads at once: on a CPU, where each streamed layer lands in its own
         slot's memory (RAM copies, whole-layer O_DIRECT span reads), none through the disk tier's shared bounce
         buffer. (A GPU's layers are large enough that one loader's gap between two reads is lost in them.)"""
-        return not self.is_cuda and all(self.tier_of[i] == "ram" or self.disk.span_plan(i) is not None for i in self.streamed)
+        return not self.is_cuda and all(self.tier_of[i] == "ram" or self.disk.span_plan(i) is not None
+                                        for i in self.streamed)
 
     def _start_loader(self) -> None:
         self._error = None
