@@ -394,7 +394,8 @@ def from_gguf_layer(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]], po
         return from_gguf(parts[0], qtype, shape)
 
     pool = WeightPool() if pool is None else pool      # a pool of its own: every weight made
-    return {name: pool.weight(name, parts, qtype, shape, made) for name, (parts, qtype, shape) in stacking(matrices).items()}
+    return {name: pool.weight(name, parts, qtype, shape, made)
+            for name, (parts, qtype, shape) in stacking(matrices).items()}
 
 
 def stacking(matrices: dict[str, tuple[Tensor, int, tuple[int, int]]]) -> dict[str, tuple[list[Tensor], T, tuple]]:
