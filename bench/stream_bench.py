@@ -103,7 +103,8 @@ def _measure(loaded, tier: str, num_tokens: int, repeats: int, decode_clock: lis
     _one_pass(model, tokens)   # warm-up (and fills the ring for the first measured pass)
     best, paired, beside = None, [], []
     for _ in range(repeats):
-        layers.wait_filled()   # the loaders' read-ahead into the next pass done: the tier is timed alone
+        if not layers.wait_filled():   # the loaders' read-ahead into the next pass done: the tier is timed alone
+            raise RuntimeError("the prefetch ring did not fill within 60 s: the tier's raw rate cannot be timed alone")
         if beside_compute:
             beside.append(_beside_compute(loaded, lambda: _raw_bandwidth(loaded, tier)))
         raw_gbps = _raw_bandwidth(loaded, tier)

@@ -122,30 +122,39 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
     checkpoint = Checkpoint(config.key(config.draft, config.draft_bits, config.resident_layers, "passes", *growth,
                                        SIMULATION_VERSION), config.checkpoint_dir)
     chosen = [i for i in range(len(prompts)) if config.shard is None or i % config.shard[1] == config.shard[0]]
-    files, answers = [sources[i][0] for i in chosen], [answers[i] for i in chosen]
+    files, chosen_answers = [sources[i][0] for i in chosen], [answers[i] for i in chosen]
     rows = []
     for budget in config.budgets:
-        passes, seconds = [], 0.0
-        for index, answer in zip(chosen, answers):
-            done = checkpoint.get(f"{budget}/{index}")
-            if done is None:
-                start = time.perf_counter()
-                done = {"passes": run_one(prompts[index], answer, budget), "seconds": time.perf_counter() - start}
-                checkpoint.put(f"{budget}/{index}", done)
-            passes.append(done["passes"])
-            seconds += done["seconds"]
-        tokens = sum(len(a) - 1 for a in answers)
-        rows.append({"budget": budget, "tokens_per_pass": round(tokens / max(sum(passes), 1), 4),
-                     "tokens_per_pass_by_file": _by_file(files, answers, passes),
-                     "tokens_per_pass_by_prompt": [round((len(a) - 1) / max(n, 1), 3) for a, n in zip(answers, passes)],
-                     "draft_seconds": round(seconds, 1)})
+        done = [_simulated(checkpoint, budget, index, lambda: run_one(prompts[index], answers[index], budget))
+                for index in chosen]
+        rows.append(_budget_row(budget, files, chosen_answers, done))
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
     return {"bench": TREE_SIMULATION, "target": target.path.name, "draft": _draft_name(config, draft),
             "draft_dtype": str(draft.model.dtype).removeprefix("torch."), "cpu_kernel": config.cpu_kernel,
             "growth_temperature": draft.growth_temperature,
             **({"shard": f"{config.shard[0]}/{config.shard[1]}"} if config.shard else {}),
             "num_prompts": len(chosen),
-            "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in answers), "rows": rows}
+            "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in chosen_answers), "rows": rows}
+
+
+def _simulated(checkpoint: Checkpoint, budget: int, index: int, run: Callable[[], int]) -> dict:
+    """{"passes", "seconds"} of one (budget, prompt): from the checkpoint, else simulated and checkpointed."""
+    key = f"{budget}/{index}"
+    done = checkpoint.get(key)
+    if done is None:
+        start = time.perf_counter()
+        done = {"passes": run(), "seconds": time.perf_counter() - start}
+        checkpoint.put(key, done)
+    return done
+
+
+def _budget_row(budget: int, files: list[str], answers: list[list[int]], done: list[dict]) -> dict:
+    passes = [item["passes"] for item in done]
+    tokens = sum(len(a) - 1 for a in answers)
+    return {"budget": budget, "tokens_per_pass": round(tokens / max(sum(passes), 1), 4),
+            "tokens_per_pass_by_file": _by_file(files, answers, passes),
+            "tokens_per_pass_by_prompt": [round((len(a) - 1) / max(n, 1), 3) for a, n in zip(answers, passes)],
+            "draft_seconds": round(sum(item["seconds"] for item in done), 1)}
 
 
 def _answers(config: TreeSimulationConfig, target, prompts: list[list[int]], on_status) -> list[list[int]]:

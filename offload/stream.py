@@ -13,14 +13,13 @@ import atexit
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from offload.weights.packing import LayerLayout
-from offload.host_io import aligned_host, copy_host
+from offload.host_io import copy_host
 from offload.pass_stats import PassStats
+from offload.ring_slots import DeviceCopies, RingSlot, new_slot
 from offload.tiers import DiskTier, RamTier
 
 POLL_SECONDS = 0.1   # waits wake up this often, so Ctrl-C and loader errors are never missed
@@ -39,21 +38,6 @@ def _close_running_rings() -> None:
 
 class StreamError(RuntimeError):
     """Loading a layer failed; the message names the layer and the tier."""
-
-
-@dataclass(slots=True)
-class _Slot:
-    buffer: Tensor                       # [layout bytes] uint8 on the device (a CPU's: aligned, >= span bytes)
-    staging: Tensor | None               # pinned aligned host buffer for disk reads when the device is a GPU
-    views: dict | None = None            # the layer's tensors when not at the layout's places (a span read)
-    layer: int = -1
-    state: str = "free"                  # free -> loading -> ready -> in_use -> free
-    load_seconds: float = 0.0            # host-side load time (disk read, CPU copy)
-    decoded: dict | None = None          # the layer decoded by the decoder thread (decode_ahead)
-    decode_seconds: float = 0.0
-    copy_started: object = None          # CUDA event (timed): host->device copy queued
-    copied: object = None                # CUDA event (timed): copy into `buffer` done
-    released: object = None              # CUDA event: compute reading `buffer` done
 
 
 def _as_stored(index: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -84,13 +68,14 @@ class StreamingLayers:
         self.ram, self.disk, self.device, self.disk_cold, self.decode = ram, disk, device, disk_cold, decode
         self.decode_ahead = decode_ahead
         self._dense = dense              # (index, stored or None for a resident layer) -> the layer decoded dense
-        self._slot_buffer = slot_buffer  # CPU: bytes -> a slot's memory, DIRECT_ALIGN-aligned (else aligned_host's)
         self.streamed = [i for i, tier in enumerate(tier_of) if tier != "device"]
         self.is_cuda = device.type == "cuda"
         # a disk layer read whole by O_DIRECT into a host buffer, used in place (CPU) or copied per tensor
-        self._span_bytes = disk.span_bytes([i for i in self.streamed if tier_of[i] == "disk"]) if disk else 0
-        self._offsets = {slot.name: slot.offset for slot in layout.slots}
-        self.slots = [self._new_slot() for _ in range(min(ring_size, max(len(self.streamed), 1)))]
+        span_bytes = disk.span_bytes([i for i in self.streamed if tier_of[i] == "disk"]) if disk else 0
+        host_bytes = max(layout.num_bytes, span_bytes)
+        # slot_buffer: on a CPU, bytes -> a slot's memory, DIRECT_ALIGN-aligned (None: an aligned host buffer)
+        self.slots = [new_slot(layout.num_bytes, host_bytes, device, disk is not None, slot_buffer)
+                      for _ in range(min(ring_size, max(len(self.streamed), 1)))]
         self.num_loaders = min(loaders, len(self.slots)) if self._reads_concurrently() else 1
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -101,23 +86,8 @@ class StreamingLayers:
         self._pass_start = 0.0
         self.last_pass = PassStats()
         self.total = PassStats()
-        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
-
-    def _new_slot(self) -> _Slot:
-        host_bytes = max(self.layout.num_bytes, self._span_bytes)
-        if self.is_cuda:
-            buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
-            staging = aligned_host(host_bytes, pin=True) if self.disk else None
-        elif self._slot_buffer is not None:
-            buffer, staging = self._slot_buffer(host_bytes), None
-        else:
-            buffer, staging = aligned_host(host_bytes, pin=False), None
-        slot = _Slot(buffer, staging)
-        if self.is_cuda:
-            slot.copy_started = torch.cuda.Event(enable_timing=True)
-            slot.copied = torch.cuda.Event(enable_timing=True)
-            slot.released = torch.cuda.Event()
-        return slot
+        self._copies = DeviceCopies(device, ram, disk, {slot.name: slot.offset for slot in layout.slots},
+                                    layout.num_bytes) if self.is_cuda else None
 
     @property
     def device_bytes(self) -> int:
@@ -177,7 +147,9 @@ class StreamingLayers:
 
     def wait_filled(self, timeout: float = 60.0) -> bool:
         """Waits until the loaders have filled every slot ahead of the compute (they are idle then); False on
-        timeout or with no loader running. Benchmarks use it before timing a tier alone."""
+        timeout or with no loader running (True when nothing streams). Benchmarks use it before timing a tier alone."""
+        if not self.streamed:
+            return True
         deadline = time.perf_counter() + timeout
         with self._cond:
             while any(slot.state in ("free", "loading") for slot in self.slots):
@@ -274,7 +246,7 @@ class StreamingLayers:
         except BaseException as err:
             self._fail(err)
 
-    def _claim(self, slot: _Slot, state: str, layer: int | None, new_layer: int, new_state: str,
+    def _claim(self, slot: RingSlot, state: str, layer: int | None, new_layer: int, new_state: str,
                released: int = -1) -> bool:
         """Waits until `slot` is in `state` (holding `layer`, unless None) and the streamed use number `released`
         has been released, then moves it on; False when the engine is stopping."""
@@ -292,12 +264,12 @@ class StreamingLayers:
             self._error = err
             self._cond.notify_all()
 
-    def _load(self, layer: int, slot: _Slot) -> None:
+    def _load(self, layer: int, slot: RingSlot) -> None:
         start = time.perf_counter()
         tier = self.tier_of[layer]
         slot.views = None
         if self.is_cuda:
-            self._load_cuda(layer, slot, tier)
+            self._copies.load(layer, slot, tier)
         elif tier == "ram":
             copy_host(slot.buffer[:self.layout.num_bytes], self.ram.buffers[layer])
         elif self.disk.span_plan(layer) is not None:
@@ -306,40 +278,16 @@ class StreamingLayers:
             self.disk.read_into(layer, slot.buffer)
         slot.load_seconds = time.perf_counter() - start
 
-    def _stored(self, slot: _Slot) -> dict[str, Tensor]:
+    def _stored(self, slot: RingSlot) -> dict[str, Tensor]:
         return slot.views if slot.views is not None else self.layout.views(slot.buffer)
 
-    def _decode_ahead(self, layer: int, slot: _Slot) -> None:
+    def _decode_ahead(self, layer: int, slot: RingSlot) -> None:
         start = time.perf_counter()
         decoded = self.decode(layer, self._stored(slot))
         for value in decoded.values():
             if hasattr(value, "prepare"):
                 value.prepare()
         slot.decoded, slot.decode_seconds = decoded, time.perf_counter() - start
-
-    def _load_cuda(self, layer: int, slot: _Slot, tier: str) -> None:
-        # Copies are queued asynchronously on the copy stream, so the next disk read (or the next
-        # queued copy) overlaps this one; the slot's `copied` event tells compute when it landed.
-        host, pieces = None, None   # a span read: each tensor's bytes, copied to its place in the slot
-        if tier == "ram":
-            host = self.ram.buffers[layer]
-        else:
-            slot.copied.synchronize()   # the staging buffer's previous copy must be finished
-            if self.disk.span_plan(layer) is not None:
-                pieces = self.disk.read_span(layer, slot.staging)
-            else:
-                self.disk.read_into(layer, slot.staging)
-                host = slot.staging[:self.layout.num_bytes]
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(slot.released)
-            slot.copy_started.record(self.copy_stream)
-            if pieces is None:
-                slot.buffer.copy_(host, non_blocking=True)
-            else:
-                for name, data in pieces.items():
-                    start = self._offsets[name]
-                    slot.buffer[start:start + data.numel()].copy_(data, non_blocking=True)
-            slot.copied.record(self.copy_stream)
 
     def _raise_if_failed(self, index: int) -> None:
         if self._error is not None:

@@ -89,6 +89,18 @@ def test_ring_wraps_into_the_next_pass(folder):
     engine.layers.close()
 
 
+def test_wait_filled_is_false_with_no_loader_and_true_once_the_ring_is_full(folder):
+    engine, _ = _engine(folder, "ram", ring_size=2)
+    assert not engine.layers.wait_filled(0.3)      # no pass yet: no loader, nothing will fill the slots
+    engine.model.forward(torch.tensor([[1, 2, 3]]), engine.model.new_cache(64))
+    assert engine.layers.wait_filled(5)
+    assert [s.state for s in engine.layers.slots] == ["ready", "ready"]
+    engine.layers.close()
+    resident, _ = _engine(folder, "device")
+    assert not resident.layers.streamed and resident.layers.wait_filled(0.3)   # nothing streams: nothing to wait for
+    resident.layers.close()
+
+
 @pytest.mark.parametrize("ring_size", [2, 3, 4])
 def test_two_loaders_filling_the_ring_out_of_order_still_match_resident(folder, ring_size, monkeypatch):
     import offload.stream
