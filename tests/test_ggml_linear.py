@@ -16,7 +16,7 @@ import torch
 from offload import load_model
 from offload.loader import streaming_device_budget
 from offload.model.config import ModelConfig
-from offload.weights import ggml_linear, kernel_cache
+from offload.weights import ggml_lib, ggml_linear, kernel_cache
 from offload.weights.formats import open_source
 from offload.weights.ggml_types import GGMLType as T
 from offload.weights.gguf_blocks import dequantize, random_blocks
@@ -96,7 +96,7 @@ def test_prompt_chunks_go_in_one_call_and_the_other_rows_keep_their_bits():
 
 def test_a_missing_library_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv(ggml_linear.LIBRARY_ENV, str(tmp_path))
-    monkeypatch.setattr(ggml_linear, "_LOADED", [])
+    monkeypatch.setattr(ggml_lib, "_LOADED", [])
     with pytest.raises(ggml_linear.GgmlMissingError, match="pip install llama-cpp-python, or set SPECSTREAM_GGML_LIB"):
         ggml_linear.ggml()
     assert not ggml_linear.available()
@@ -139,7 +139,7 @@ def test_auto_takes_ggml_for_the_types_it_tiles_where_it_is_found(tmp_path, monk
     monkeypatch.setenv("SPECSTREAM_CACHE", str(tmp_path / "cache"))
     if not found:
         monkeypatch.setenv(ggml_linear.LIBRARY_ENV, str(tmp_path))
-        monkeypatch.setattr(ggml_linear, "_LOADED", [])
+        monkeypatch.setattr(ggml_lib, "_LOADED", [])
     statuses = []
     loaded = load_model(_options(str(_tiny_of(tmp_path, qtype)), cpu_kernel="auto"), on_status=statuses.append)
     line = next(s for s in statuses if s.startswith("CPU "))
