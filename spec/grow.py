@@ -181,6 +181,9 @@ class Growth:
         pool.prune(config.budget, config.min_child_gain)
         width = min(config.width, max(room // 4, 1)) if room else 0   # three quarters of the rows left to deeper rounds
         chosen = pool.open_nodes(config.budget, width, config.max_depth)
+        if chosen.numel():   # rows kept for the best node's line to reach the depth cap, one a level
+            levels_left = config.max_depth - int(pool.depths[chosen[0]])
+            chosen = chosen[:max(room - levels_left, 1)]
         if config.min_node_gain:
             chosen = chosen[pool.logprobs[chosen] >= math.log(config.min_node_gain)]
         if chosen.numel() == 0 or (config.min_gain or config.min_node_gain) and \

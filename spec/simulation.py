@@ -24,8 +24,9 @@ from .verify import accepted_path
 # Bumped whenever growth or a draft's scoring changes what a simulated pass accepts: a resumed run's finished work
 # (bench/tree_simulation.py's checkpoint) counts only under the version that made it. 2: a self-draft scores with an
 # 8-bit head on a CPU, a round expands no node grow.NEGLIGIBLE_RATIO times less likely than the best open one and
-# takes the best nodes that fit the draft cache rows left (it stopped); 3: a quarter of the rows left.
-SIMULATION_VERSION = 3
+# takes the best nodes that fit the draft cache rows left (it stopped); 3: a quarter of the rows left; 4: the last
+# rows kept for the best open node's line to reach the depth cap.
+SIMULATION_VERSION = 4
 
 
 def greedy_answers(decoder: Decoder, prompts: list[list[int]]) -> list[list[int]]:

@@ -350,3 +350,21 @@ def test_a_low_growth_temperature_grows_deeper_trees():
             growth.expanded(chosen, torch.log_softmax(logits / temperature, -1).expand(chosen.numel(), -1), 0)
         depths[temperature] = int(growth.result()[0].depths.max())
     assert depths[0.1] > 2 * depths[1.0]
+
+
+def test_rows_running_out_leave_the_best_line_its_depth():
+    """A confident draft whose eight siblings stay within reach: wide rounds spend the cache rows, and the last
+    ones go to the likely line, one a level, so it still reaches the depth cap (17-24 levels of 40 without)."""
+    vocab = 50
+    logits = torch.full((vocab,), -20.0)
+    logits[:8] = torch.linspace(0.0, 2.0, 8)
+    logits[7] = 6.0
+    logprobs = torch.log_softmax(logits, -1)
+    for rows in (60, 100, 300):
+        growth, room, widths = Growth(0, logprobs, GrowthConfig(256, 64, 8, 40), torch.arange(vocab)), rows, []
+        while (chosen := growth.next_round(room)).numel():
+            growth.expanded(chosen, logprobs.expand(chosen.numel(), -1), rows - room)
+            room -= chosen.numel()
+            widths.append(chosen.numel())
+        assert int(growth.result()[0].depths.max()) == 40 and room >= 0
+        assert max(widths) > 8          # the rounds did grow wide first
