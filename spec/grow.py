@@ -181,7 +181,8 @@ class Growth:
         pool.prune(config.budget, config.min_child_gain)
         width = min(config.width, max(room // 4, 1)) if room else 0   # three quarters of the rows left to deeper rounds
         chosen = pool.open_nodes(config.budget, width, config.max_depth)
-        if chosen.numel():   # rows kept for the best node's line to reach the depth cap, one a level
+        if chosen.numel() > max(room - config.max_depth, 0):
+            # rows kept for the best node's line to reach the depth cap, one a level (read only once rows run low)
             levels_left = config.max_depth - int(pool.depths[chosen[0]])
             chosen = chosen[:max(room - levels_left, 1)]
         if config.min_node_gain:
