@@ -13,6 +13,7 @@ import atexit
 import threading
 import time
 import weakref
+
 import torch
 from torch import Tensor
 
