@@ -51,7 +51,7 @@ def _bench_draft(args, console) -> dict:
 
 
 def _bench_spec(args, console) -> dict:
-    from offload.planner import parse_bytes
+    from offload.byte_units import parse_bytes
     from bench.spec_bench import SpecBenchConfig, run_spec_bench
     from bench.spec_report import print_tables
     from spec.distill.prompts import prompt_turns
@@ -70,7 +70,7 @@ def _bench_spec(args, console) -> dict:
 
 
 def _bench_stream(args, console) -> dict:
-    from offload.planner import parse_bytes
+    from offload.byte_units import parse_bytes
     from bench.stream_bench import run_stream_bench
     sizes = _integers(args.tokens, "--tokens")
     on_status = lambda m: console.print(f"[dim]{m}[/dim]")

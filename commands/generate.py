@@ -57,7 +57,7 @@ def model_sampling(args, session, console):
 
 def open_session(args, console, **batch):
     from runtime import RuntimeConfig, Session
-    from offload.planner import parse_bytes
+    from offload.byte_units import parse_bytes
     from perf.tree_size import parse_budget
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     ram = parse_bytes(args.ram) if args.ram else None

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
+from offload.byte_units import format_bytes, parse_bytes
 from offload.devices import DTYPES, choose_device
 from offload.memory_limits import default_device_memory, default_host_memory
 from offload.model.config import ModelConfig
-from offload.planner import Plan, PlanRequest, format_bytes, make_plan, parse_bytes
+from offload.planner import Plan, PlanRequest, make_plan
 from offload.weights.gguf_import import cache_root
 from offload.weights.gguf_model import gguf_file_of
 from offload.weights.resolve import resolve_model

@@ -7,7 +7,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from offload.planner import Plan, format_bytes, make_plan
+from offload.byte_units import format_bytes
+from offload.planner import Plan, make_plan
 from offload.weights.sizes import WeightBytes
 from perf.llama_cpp_offload import LLAMA_CPP_BUFFER_BYTES, llama_cpp_weights, project_llama_cpp
 from perf.self_draft_plan import (CURVE_LABEL, DEFAULT_SELF_CURVES, SelfDraftReport, SubstituteOption, self_curves,

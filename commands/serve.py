@@ -35,7 +35,7 @@ def add_parsers(commands) -> None:
 
 
 def cmd_serve(args, console) -> int:
-    from offload.planner import parse_bytes
+    from offload.byte_units import parse_bytes
     from server import ServeConfig, SpecstreamServer
     check_sampling_flags(args)
     config = ServeConfig(args.host, args.port, args.api_key, args.max_new_tokens, parse_bytes(args.max_body),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-GIB = 1024 ** 3
+from offload.byte_units import GIB
 
 
 def default_device_memory(device: torch.device) -> int:

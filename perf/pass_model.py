@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from offload.byte_units import GIB
+
 from .result_formats import read_device_check
 
 GB = 1e9
@@ -36,7 +38,6 @@ class GpuPreset:
     memory_gbps: float | None = None   # device memory bandwidth, GB/s (datasheet): bounds decode and the draft
 
 
-GIB = 1024 ** 3
 GPU_PRESETS: dict[str, GpuPreset] = {p.name: p for p in (
     # Ada whitepaper: 165.2 dense fp16/bf16 tensor with fp32 accumulate (330.3 with fp16 accumulate;
     # 82.6 is the non-tensor shader rate). Link: 23.9-26.4 GB/s measured pinned on PCIe 4.0 x16 (ANCHORS).

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from offload.byte_units import format_bytes
 from offload.model.config import ModelConfig
-from offload.planner import Plan, PlanRequest, format_bytes
+from offload.planner import Plan, PlanRequest
 from spec.grow import MAX_WIDTH
 
 from .pass_model import GpuPreset, MeasuredPassCurve, PassModelInputs, pass_breakdown

@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from offload.planner import Plan, PlanRequest, beside_layers_bytes, format_bytes, make_plan
+from offload.byte_units import format_bytes
+from offload.planner import Plan, PlanRequest, beside_layers_bytes, make_plan
 from spec.self_draft import SUBSTITUTE_BITS, SubstituteConfig, substitute_layer_bytes
 
 from .llama_cpp_offload import LlamaCppOffload

@@ -4,7 +4,7 @@ holds, for one sequence and a batch of eight, resident and streamed (the embedde
 the engine accounts for its own memory)."""
 import pytest
 
-from offload.planner import parse_bytes
+from offload.byte_units import parse_bytes
 from runtime.session import RuntimeConfig, Session
 
 pytestmark = pytest.mark.e2e

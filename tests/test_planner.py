@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from offload.byte_units import GIB, parse_bytes
 from offload.model.config import ModelConfig
-from offload.planner import GIB, PlanError, make_plan, parse_bytes, request_from_config
+from offload.planner import PlanError, make_plan, request_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"

@@ -8,9 +8,10 @@ import torch
 
 from conftest import add_tiny_tokenizer, make_tiny_checkpoint
 from offload import LoadOptions, load_model
+from offload.byte_units import GIB
 from offload.loader import streaming_device_budget
 from offload.model.config import ModelConfig
-from offload.planner import GIB, PlanError, make_plan, request_from_config
+from offload.planner import PlanError, make_plan, request_from_config
 from quant.baselines import round_to_nearest
 from quant.lowbit import LowBitWeight, from_tensors, quantize_matrix, relative_error, substitute_weight, to_tensors
 from spec import DecodeConfig, DecodeRequest, Decoder, FixedBudget, SamplingConfig
