@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload.byte_units import GIB
+from offload.cache_sizes import kv_cache_bytes
 from offload.model.config import ModelConfig
-from offload.planner import kv_cache_bytes
 from offload.weights.gguf_blocks import packed_nbytes
 from offload.weights.gguf_header import read_header
 from offload.weights.sizes import (LLAMA_CPP_BASE_TYPES, WeightBytes, llama_cpp_weight_bytes,

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload import LoadedModel, LoadOptions
-from offload.model.config import ModelConfig
+from offload.cache_sizes import kv_cache_bytes
 from offload.devices import choose_device, choose_draft_dtype, choose_dtype
-from offload.planner import kv_cache_bytes
+from offload.model.config import ModelConfig
 from spec import Draft, default_draft_for, load_any_draft
 from spec.self_draft import SELF_DRAFT
 from offload.weights.resolve import ModelNotFoundError

@@ -10,9 +10,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from offload.cache_sizes import draft_slot_tokens
 from offload.model.masks import causal_mask
 from offload.model.slots import SlotCache, block_mask
-from offload.planner import draft_slot_tokens
 from .draft import Draft
 from .grow import HOST, GrowthConfig
 from .speculator import Proposal, Speculator

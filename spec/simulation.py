@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from offload import DecoderModel
+from offload.cache_sizes import draft_slot_tokens
 from offload.model.masks import causal_mask
 from offload.model.slots import SlotCache
-from offload.planner import draft_slot_tokens
 from .decoding import DecodeConfig, Decoder
 from .draft import Draft
 from .sampling import SamplingConfig

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from offload.cache_sizes import draft_slot_tokens
 from offload.model.masks import causal_mask
-from offload.planner import draft_slot_tokens
 from offload.model.slots import SlotCache, block_mask
 from .draft import Draft
 from .grow import HOST, Growth, GrowthConfig, expansion_mask

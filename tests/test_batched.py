@@ -189,8 +189,9 @@ def test_the_planner_sizes_kv_slots_and_refuses_a_batch_that_does_not_fit():
     from pathlib import Path
 
     from offload.byte_units import GIB
+    from offload.cache_sizes import kv_cache_bytes
     from offload.model.config import ModelConfig
-    from offload.planner import PlanError, kv_cache_bytes, largest_batch, make_plan, request_from_config
+    from offload.planner import PlanError, largest_batch, make_plan, request_from_config
     config = ModelConfig.from_file(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-70b")
     request = request_from_config(config, 2, 24 * GIB, 64 * GIB, max_context=4096, max_tree=512)
     one = make_plan(request)

@@ -25,7 +25,7 @@ SUBSTITUTE = {2: 223_232, 3: 296_960, 4: 370_688}
 # What never streams at context 64, budget 16 on CUDA: globals 1,049,088 + KV cache 2 x 6 layers x 128 x 64 tokens
 # x 2 = 196,608 + workspace 200,448 = 1,446,144; with a ring of 2 bf16 layers (2,361,344): 3,807,488
 FIXED_AND_RING = 3_807_488
-# A self-draft drafts in the target's KV cache: its tree rows (1 + 2 x 16 + 256 = 289 per slot, planner.draft_slot_tokens)
+# A self-draft drafts in the target's KV cache: its tree rows (1 + 2 x 16 + 256 = 289 per slot, cache_sizes.draft_slot_tokens)
 # join it: 2 x 6 layers x 128 x 289 tokens x 2 = 887,808 more that never stream
 TREE_KV = 887_808
 

@@ -138,7 +138,7 @@ def test_the_draft_kv_cache_is_planned_beside_the_target_s():
     """A draft caches what the target caches plus the nodes its trees expand: per slot a context, twice the
     largest tree and a slack of 256 (draft_slot_tokens, which the speculator's cache is sized by)."""
     from dataclasses import replace
-    from offload.planner import kv_cache_bytes
+    from offload.cache_sizes import kv_cache_bytes
     config, draft = (ModelConfig.from_file(CONFIGS / name) for name in ("llama-2-70b", "llama-2-7b"))
     request = request_from_config(config, 2, 24 * GIB, 64 * GIB, draft=draft, max_context=4096, max_tree=512)
     per_token = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * 2
