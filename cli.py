@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from commands import COMMANDS
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)      # the command line, as results record it
     console = Console(stderr=True)
     try:
         return COMMANDS[args.command](args, console)

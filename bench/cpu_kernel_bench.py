@@ -1,7 +1,7 @@
 """The CPU's packed int4 kernel against today's dense fp32 decode, side by side in one run on the same GGUF
 (the embedded default model unless --target): every figure is a ratio of two timings taken alternately.
 
-    .venv/bin/python -m bench.cpu_kernel_bench --parts crossover,decode,stream,quality --out FILE.json
+    python cli.py bench cpu-kernel --parts crossover,decode,stream,quality --out FILE.json
 
 crossover  one pass of M new tokens (M = 1..512) after a 128-token context: packed / dense seconds
 decode     greedy one-token decoding, resident: tokens per second, packed and dense (prefill excluded), and
@@ -14,14 +14,13 @@ stream     every layer streamed from RAM: one-token pass seconds; and one layer 
 quality    perplexity on held-out code, prose and math (bench quant's texts), greedy answers to the chat
            prompts identical to dense fp32, and packed speculation (the default draft) identical to packed
            one-token decoding
-Prints one summary line, then the JSON (also written to --out with the command that made it)."""
+`specstream bench cpu-kernel` runs it (flags: commands/bench_cpu_flags.py): one summary line, then the JSON (also
+written to --out, indented, with the command that made it)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +36,7 @@ from runtime.models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("dense", "packed")
 PARTS = ("crossover", "prefill", "decode", "context", "stream", "quality")
+PEERS_PYTHON = "peers"                   # --llama-cpp without a value (commands/bench_cpu_flags.py)
 PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128
 PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -255,27 +255,13 @@ def quality(models: dict, target: str | None, tokens_per_domain: int, new_tokens
             "speculation_budget_16_identical_to_packed_greedy": f"{sum(spec_same)}/{len(spec_same)}"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default=None)
-    parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--tokens-per-domain", type=int, default=4096)
-    parser.add_argument("--spec-prompts", type=int, default=8)
-    parser.add_argument("--llama-cpp", nargs="?", type=Path, const=ROOT / ".venv-peers/bin/python", default=None,
-                        metavar="PYTHON", help="decode: also llama.cpp, from this Python's environment "
-                                               "(default: .venv-peers)")
-    parser.add_argument("--stream-synthetic", default=None, metavar="TYPE",
-                        help="stream: bench stream's synthetic GGUF of this type (q4_k, q8_0: 8x the default's shapes, "
-                             "2.5 GB of layers) instead of --target")
-    parser.add_argument("--requantize", default=None, metavar="TYPE",
-                        help="the default model with its decoder matrices requantized to TYPE (q5_0, q5_1) as --target")
-    parser.add_argument("--kernel", default="packed", choices=("packed", "ggml"),
-                        help="the kernel set against dense fp32 in every part but stream (ggml: llama.cpp's libggml)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    draft_target = args.target
+def from_args(args) -> dict:
+    """The parts `args.parts` names, measured in one run (flags: commands/bench_cpu_flags.py)."""
+    parts = args.parts.split(",") if args.parts else list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"--parts: unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    target, draft_target = args.target, args.target
     if args.kernel == "ggml" and not os.environ.get("SPECSTREAM_GGML_LIB"):
         from bench.shapes_bench import ggml_library, llama_python
         folder = ggml_library(llama_python())
@@ -283,42 +269,41 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SPECSTREAM_GGML_LIB"] = folder
     if args.requantize:
         from bench.synthetic_gguf import requantized_default
-        args.target, draft_target = str(requantized_default(args.requantize, print)), None   # the default's draft
-    parts = args.parts.split(",")
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        parser.error(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
-    result = {"bench": "cpu-kernel", "command": " ".join(["python -m bench.cpu_kernel_bench", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
-    result["kernel"] = args.kernel        # the one the JSON calls "packed"
-    models = {k: _load(args.target, args.kernel if k == "packed" else k) for k in KERNELS} \
+        target, draft_target = str(requantized_default(args.requantize, print)), None   # the default's draft
+    result = {"bench": "cpu-kernel", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "torch": torch.__version__, "kernel": args.kernel}       # the kernel the JSON calls "packed"
+    models = {k: _load(target, args.kernel if k == "packed" else k) for k in KERNELS} \
         if set(parts) - {"stream", "prefill"} else {}
     if "crossover" in parts:
         result["crossover"] = crossover(models, args.repeats)
     if "prefill" in parts:
-        result["prefill"] = prefill(args.target, args.repeats)
+        result["prefill"] = prefill(target, args.repeats)
     if "decode" in parts:
-        result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, args.llama_cpp)
+        result["decode"] = decode(models, max(3, args.repeats // 3), args.new_tokens, _llama_python(args.llama_cpp))
     if "context" in parts:
         result["context"] = context(models, args.repeats)
     if "stream" in parts:
-        target = args.target
+        streamed = target
         if args.stream_synthetic:
             from bench.synthetic_gguf import synthetic_target
             path, result["stream_synthetic_gguf"] = synthetic_target(args.stream_synthetic, 8, 2.5, print)
-            target = str(path)
-        result["stream"] = stream(target, args.repeats)
+            streamed = str(path)
+        result["stream"] = stream(streamed, args.repeats)
     if "quality" in parts:
-        result["quality"] = quality(models, args.target, args.tokens_per_domain, args.new_tokens, args.spec_prompts,
+        result["quality"] = quality(models, target, args.tokens_per_domain, args.new_tokens, args.spec_prompts,
                                     draft_target)
-    summary = "cpu-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in parts)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(summary)
-    print(text)
-    return 0
+    return result
+
+
+def _llama_python(value: str | None) -> Path | None:
+    if value is None:
+        return None
+    return ROOT / ".venv-peers/bin/python" if value == PEERS_PYTHON else Path(value)
+
+
+def headline(result: dict) -> str:
+    return "cpu-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in PARTS if part in result)
 
 
 def _headline(part: str, value: dict) -> str:
@@ -338,6 +323,3 @@ def _headline(part: str, value: dict) -> str:
             f"{value['greedy_answers']} greedy answers identical, speculation "
             f"{value['speculation_budget_16_identical_to_packed_greedy']} exact")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Where a one-token decode step of a GGUF model on the CPU spends its time (the embedded default model unless
 --target; the Decoder without a draft, as `specstream run --no-draft` decodes):
 
-    .venv/bin/python -m bench.cpu_step_profile --cpu-kernel packed --steps 64 --rounds 3 --out FILE.json
+    python cli.py bench step-profile --cpu-kernel packed --steps 64 --rounds 3 --out FILE.json
 
 Each timed function is wrapped by a timer that counts its own time, its timed callees' excluded: the matrix
 products by kind (qkv, o, gate_up, down, lm_head; Int4Weight.matmul or F.linear, the input's casts included),
@@ -185,36 +185,36 @@ def _median_run(rows: list[dict]) -> dict:
             "step_ms": round(statistics.median(r["step_ms"] for r in rows), 3), "parts_ms": parts}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def from_args(args) -> dict:
+    """Rounds of profiles, each in its own process (flags: commands/bench_cpu_flags.py)."""
+    if args.steps < 2 or args.rounds < 1:
+        raise ValueError("--steps must be at least 2 and --rounds at least 1")
+    if args.baseline_src and not (args.baseline_src / "bench").is_dir():
+        raise FileNotFoundError(f"--baseline-src {args.baseline_src} is not a checkout of this project (no bench/)")
+    return {"bench": "cpu-step-profile", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "cpu_kernel": args.cpu_kernel, **compare(args)}
+
+
+def headline(result: dict) -> str:
+    this = result["this"]
+    return (f"cpu-step-profile: {result['cpu_kernel']} one-token step {this['step_ms']} ms, "
+            + ", ".join(f"{k} {v}" for k, v in sorted(this["parts_ms"].items(), key=lambda kv: -kv[1])[:4])
+            + (f"; {result['step_over_baseline']}x the baseline's" if "step_over_baseline" in result else ""))
+
+
+def _one(argv: list[str]) -> int:
+    """The child of compare(): one profile in this process, its JSON on one line (`--one`; a baseline checkout
+    runs this file, copied into it, so both sides profile alike)."""
+    parser = argparse.ArgumentParser(description="one profile, its JSON on one line")
+    parser.add_argument("--one", action="store_true", required=True)
     parser.add_argument("--target", default=None)
     parser.add_argument("--cpu-kernel", default="packed", choices=("dense", "packed"))
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
-                        help="another checkout to profile in turn with this one (its step time is the ratio's base)")
-    parser.add_argument("--one", action="store_true", help="one profile in this process, its JSON on one line")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.one:
-        print(json.dumps(profile(args.cpu_kernel, args.target, args.steps)))
-        return 0
-    command = ["python -m bench.cpu_step_profile", *(argv if argv is not None else sys.argv[1:])]
-    result = {"bench": "cpu-step-profile", "command": " ".join(a.replace(str(args.baseline_src), "BASELINE")
-                                                                  if args.baseline_src else a for a in command),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              **compare(args)}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    this = result["this"]
-    print(f"cpu-step-profile: {args.cpu_kernel} one-token step {this['step_ms']} ms, "
-          + ", ".join(f"{k} {v}" for k, v in sorted(this["parts_ms"].items(), key=lambda kv: -kv[1])[:4])
-          + (f"; {result['step_over_baseline']}x the baseline's" if args.baseline_src else ""))
-    print(text)
+    print(json.dumps(profile(args.cpu_kernel, args.target, args.steps)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_one(sys.argv[1:]))

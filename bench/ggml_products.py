@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from offload.weights.ggml_linear import F32, ggml
+from offload.weights.ggml_lib import F32, ggml
 from offload.weights.ggml_types import GGMLType as T
 from offload.weights.gguf_blocks import packed_nbytes, random_blocks
 

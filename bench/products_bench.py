@@ -1,7 +1,7 @@
 """One token's matrix products, ours against ggml's own, side by side in one run: the 1B and 8B shapes of
 bench.shapes_bench (Llama-3.2-1B, Llama-3.1-8B decoder layers and the synthetic files' 49,152-row Q4_0 head).
 
-    .venv/bin/python -m bench.products_bench --shapes 1b,8b --types q4_0,q4_k,q4_k_m --rounds 3 --out FILE.json
+    python cli.py bench products --shapes 1b,8b --types q4_0,q4_k,q4_k_m --rounds 3 --out FILE.json
 
 Ours: every product as the engine runs it (offload/weights/packed_linear: q/k/v and gate/up stacked, torch's
 `_weight_int4pack_mm_for_cpu` on bf16 activations). ggml's: the same matrices as llama.cpp runs them (q, k,
@@ -14,10 +14,10 @@ copy called again and again is served from a 32 MiB L3 and flatters a memory-bou
 product ran 0.30 ms hot and 0.56 ms cold, torch's int4 kernel 0.52 and 0.55). This answers
 whether a faster product exists for the same bytes on this CPU (issue 36: torch's kernel is most of our
 step on these shapes), not how fast a whole step is: bench.shapes_bench measures steps.
-Prints one summary line, then the JSON (also written to --out with the command that made it)."""
+`specstream bench products` runs it (flags: commands/bench_cpu_flags.py): one summary line, then the JSON (also
+written to --out, indented, with the command that made it)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -150,35 +150,24 @@ def run(shapes: list[str], types: list[str], rounds: int, seconds: float, python
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="1b,8b", help="1b, 8b")
-    parser.add_argument("--types", default="q4_0,q4_k,q4_k_m", help="the synthetic files' types")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.3, help="timing window per product and round")
-    parser.add_argument("--cold-bytes", type=int, default=COLD_BYTES,
-                        help="copies of each matrix taken in turn, this many bytes in all (0: one copy, cache-hot)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+def from_args(args) -> dict:
+    """Both engines' products in turn (flags: commands/bench_cpu_flags.py)."""
     shapes, types = args.shapes.split(","), args.types.split(",")
     bad = [s for s in shapes if s not in NAMED_SHAPES] + [t for t in types if t not in SYNTHETIC_TYPES]
-    if bad or args.rounds < 1 or args.seconds <= 0:
-        parser.error(f"unknown shapes or types {bad} (shapes: {', '.join(NAMED_SHAPES)}; types: "
-                     f"{', '.join(SYNTHETIC_TYPES)}), or --rounds < 1 or --seconds <= 0")
-    report = {"bench": "products", "command": " ".join(["python -m bench.products_bench", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "cold_bytes": args.cold_bytes, **run(shapes, types, args.rounds, args.seconds, llama_python(), args.cold_bytes)}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print("products: " + "; ".join(f"{name} ours {row['ours_int4_kernel_ms_per_token']} ms"
-                                   + (f", ggml {row['ggml_as_llama_cpp_ms_per_token']} ms"
-                                      if "ggml_as_llama_cpp_ms_per_token" in row else "")
-                                   for name, row in report["files"].items()))
-    print(text)
-    return 0
+    if bad:
+        raise ValueError(f"unknown shapes or types {bad} (shapes: {', '.join(NAMED_SHAPES)}; types: "
+                         f"{', '.join(SYNTHETIC_TYPES)})")
+    if args.rounds < 1 or args.seconds <= 0:
+        raise ValueError("--rounds must be at least 1 and --seconds above 0")
+    cold_bytes = COLD_BYTES if args.cold_bytes is None else args.cold_bytes
+    return {"bench": "products", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "cold_bytes": cold_bytes,
+            **run(shapes, types, args.rounds, args.seconds, llama_python(), cold_bytes)}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def headline(report: dict) -> str:
+    return "products: " + "; ".join(f"{name} ours {row['ours_int4_kernel_ms_per_token']} ms"
+                                    + (f", ggml {row['ggml_as_llama_cpp_ms_per_token']} ms"
+                                       if "ggml_as_llama_cpp_ms_per_token" in row else "")
+                                    for name, row in report["files"].items())

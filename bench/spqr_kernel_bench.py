@@ -2,7 +2,7 @@
 SpQR path (each layer dequantized, then fp32 products), side by side in one run on the same checkpoint; every figure
 is a ratio of timings taken alternately ("dense" rows are today's path).
 
-    .venv/bin/python -m bench.spqr_kernel_bench CHECKPOINT --parts outliers,decode,stream,perplexity --out FILE.json
+    python cli.py bench spqr-kernel CHECKPOINT --parts outliers,decode,stream,perplexity --out FILE.json
 
 outliers    every packed matrix of the model multiplied once at M rows (1 and 16): the kernel's product alone, and
             the outliers' addition by index_add_ (the one used) and by a torch sparse CSR product (addmm)
@@ -12,12 +12,11 @@ stream      every layer from RAM: one-token pass seconds; and one layer repacked
 perplexity  held-out code, prose and math (bench quant's texts)
 quality     cpu_kernel_bench's quality part: perplexity, greedy answers to the 44 chat prompts identical to today's
             path, packed speculation (the default draft) identical to packed one-token decoding
-Prints one summary line, then the JSON (also written to --out with the command that made it)."""
+`specstream bench spqr-kernel` runs it (flags: commands/bench_cpu_flags.py): one summary line, then the JSON (also
+written to --out, indented, with the command that made it)."""
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -119,23 +118,19 @@ def perplexity(models: dict, tokens_per_domain: int) -> dict:
     return {"perplexity": scores, "perplexity_increase_percent": increase, "tokens_per_domain": tokens_per_domain}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--tokens-per-domain", type=int, default=4096)
-    parser.add_argument("--spec-prompts", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    parts = args.parts.split(",")
-    if any(p not in PARTS for p in parts):
-        parser.error(f"unknown parts in {parts}: choose from {', '.join(PARTS)}")
-    result = {"bench": "spqr-kernel", "command": " ".join(["python -m bench.spqr_kernel_bench", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "quantization": json.loads((Path(args.checkpoint) / "config.json").read_text())["quantization_config"]}
+def from_args(args) -> dict:
+    """The parts `args.parts` names, measured in one run (flags: commands/bench_cpu_flags.py)."""
+    parts = args.parts.split(",") if args.parts else list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"--parts: unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    config_file = Path(args.checkpoint) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{args.checkpoint} holds no config.json: give a SpQR checkpoint folder")
+    result = {"bench": "spqr-kernel", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "torch": torch.__version__,
+              "quantization": json.loads(config_file.read_text()).get("quantization_config")}
     models = {k: kernel_bench._load(args.checkpoint, k) for k in kernel_bench.KERNELS} if set(parts) - {"stream"} else {}
     if "outliers" in parts:
         result["outliers"] = outliers(models["packed"], args.repeats)
@@ -147,13 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         result["perplexity"] = perplexity(models, args.tokens_per_domain)
     if "quality" in parts:
         result["quality"] = kernel_bench.quality(models, args.checkpoint, args.tokens_per_domain, args.new_tokens,
-                                                 args.spec_prompts)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print("spqr-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in parts))
-    print(text)
-    return 0
+                                                 args.spec_prompts, args.checkpoint)
+    return result
+
+
+def headline(result: dict) -> str:
+    return "spqr-kernel: " + "; ".join(f"{part}: {_headline(part, result[part])}" for part in PARTS if part in result)
 
 
 def _headline(part: str, value: dict) -> str:
@@ -167,6 +161,3 @@ def _headline(part: str, value: dict) -> str:
                 f"{value['repack_over_dequantize']}")
     return kernel_bench._headline(part, value)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """bench: benchmarks that print JSON (draft, spec, stream, batch, serve, quant, quant-disk, tree-simulation,
-startup), the whole suite with its report (all) and the generated record (record); their code lives in
-bench/. One table (BENCHES) names each subcommand with its help, its flags and its handler: a subcommand
+self-draft, startup, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products), the whole suite with
+its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES) names each subcommand with its help, its flags and its handler: a subcommand
 cannot exist without a handler, nor a handler be reached by a name the parser does not know."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import bench_cpu_flags as cpu_flags
 from . import bench_flags as flags
 
 
@@ -210,6 +211,22 @@ def _bench_all(args, console) -> dict:
     return {}
 
 
+def _cpu_bench(module_name: str) -> Callable[[object, object], dict]:
+    """A CPU kernel bench: its bench/ module measures (from_args) and sums the result up in one line (headline)."""
+    def run(args, console) -> dict:
+        import importlib
+        import shlex
+        from bench.suite_steps import scrub
+        module = importlib.import_module(f"bench.{module_name}")
+        result = scrub({"command": shlex.join(["specstream", *args.argv]), **module.from_args(args)})
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        if not args.json:
+            console.print(module.headline(result), highlight=False)
+        return result
+    return run
+
+
 def _bench_record(args, console) -> dict:
     _record(args.source, args.files, console)
     return {}
@@ -244,6 +261,15 @@ BENCHES: dict[str, Bench] = {
                         "streamed from RAM or a cold disk, in one run", flags.self_draft_flags, _bench_self_draft),
     "startup": Bench("seconds from a fresh process to its first token: first start, then the GGUF in place vs "
                      "its import", flags.startup_flags, _bench_startup),
+    "cpu-kernel": Bench("the CPU's packed kernel (int4 or ggml) vs dense fp32 on one GGUF: pass-size crossover, "
+                        "prefill, decode (and llama.cpp), context, streaming, quality", cpu_flags.cpu_kernel_flags,
+                        _cpu_bench("cpu_kernel_bench")),
+    "spqr-kernel": Bench("a SpQR checkpoint on the CPU's int4 kernel vs dequantized fp32 products: outliers, decode, "
+                         "streaming, perplexity, quality", cpu_flags.spqr_kernel_flags, _cpu_bench("spqr_kernel_bench")),
+    "step-profile": Bench("where a one-token CPU decode step spends its time, part by part (optionally against "
+                          "another checkout)", cpu_flags.step_profile_flags, _cpu_bench("cpu_step_profile")),
+    "products": Bench("one token's matrix products, ours vs ggml's own, at Llama-3.2-1B and 3.1-8B shapes",
+                      cpu_flags.products_flags, _cpu_bench("products_bench")),
     "all": Bench("every benchmark and peer in one run: one JSON each and report.md with plots in --out",
                  flags.suite_flags, _bench_all, prints_json=False),
     "record": Bench("rewrite the generated blocks of docs/performance.md from a `bench all` folder",

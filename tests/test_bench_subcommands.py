@@ -42,6 +42,10 @@ def test_a_name_outside_the_table_is_one_error_line(capsys):
     (["tree-simulation", "--draft", "self", "--growth-temperature", "0"], "--growth-temperature takes a positive"),
     (["stream", "--tokens", "0"], "--tokens takes positive integers"),
     (["quant", "--natural-weights", "--target", "x"], "give it or --target, not both"),
+    (["cpu-kernel", "--parts", "decode,nope"], "--parts: unknown parts ['nope']: choose from crossover"),
+    (["spqr-kernel", "no-such-folder"], "no-such-folder holds no config.json: give a SpQR checkpoint folder"),
+    (["step-profile", "--steps", "1"], "--steps must be at least 2"),
+    (["products", "--shapes", "1b,3b"], "unknown shapes or types ['3b'] (shapes: 1b, 8b"),
 ])
 def test_bad_flags_are_one_error_line(capsys, argv, message):
     assert cli.main(["bench", *argv]) == 2
@@ -101,3 +105,15 @@ def _shards_share_one_run(argv: list[str], result: dict, folder, capsys) -> None
     assert "shard" not in whole
     keep = ("budget", "tokens_per_pass", "tokens_per_pass_by_file", "tokens_per_pass_by_prompt")
     assert [{k: row[k] for k in keep} for row in whole["rows"]] == [{k: row[k] for k in keep} for row in result["rows"]]
+
+
+def test_a_cpu_bench_prints_and_writes_one_result_without_the_machines_paths(tmp_path, capsys):
+    out = tmp_path / "products.json"
+    argv = ["bench", "products", "--shapes", "1b", "--types", "q4_0", "--rounds", "1", "--seconds", "0.02",
+            "--cold-bytes", "0", "--out", str(out), "--json"]
+    assert cli.main(argv) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == printed
+    assert printed["command"].endswith("--cold-bytes 0 --out products.json --json") and str(tmp_path) not in out.read_text()
+    row = printed["files"]["1b/q4_0"]
+    assert row["ours_int4_kernel_ms_per_token"] > 0 and row["ours_products"] == 5

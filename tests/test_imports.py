@@ -1,6 +1,7 @@
 """The project's import graph, read from the source (every import, at the top of a file or inside a function):
-no circle among the modules, no installed module that imports or reads tests/ (a wheel leaves tests/ out), and
-bench/ never imports the command layer (commands/ runs bench/, not the other way round)."""
+no circle among the modules, no installed module that imports or reads tests/ (a wheel leaves tests/ out),
+bench/ never imports the command layer (commands/ runs bench/, not the other way round), and bench/ holds only
+what a `bench` subcommand runs, each module importing cleanly."""
 from __future__ import annotations
 
 import ast
@@ -159,3 +160,46 @@ def test_bench_never_imports_the_command_layer():
     assert {m: sorted(t for t in targets if t == "cli" or t.split(".")[0] == "commands")
             for m, targets in graph.items() if m.split(".")[0] == "bench"} == {
         m: [] for m in graph if m.split(".")[0] == "bench"}
+
+
+def started_children(path: Path) -> set[str]:
+    """The bench/ modules a module starts in a process of its own: a string constant naming one as `-m bench.X`'s
+    argument, or as its file (bench/X.py, X.py)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value.removeprefix("bench/").removesuffix(".py").removeprefix("bench.")
+            if text.isidentifier() and (ROOT / "bench" / f"{text}.py").is_file():
+                names.add(f"bench.{text}")
+    return names
+
+
+def test_bench_holds_only_what_the_command_layer_runs():
+    """Every bench/ module is imported by a `bench` subcommand's code, or started as a child process by it."""
+    files = module_files()
+    graph = import_graph(files)
+    reached, todo = set(), [m for m in graph if m.split(".")[0] == "commands"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += [*graph[module], *started_children(files[module])]
+    assert sorted(m for m in graph if m.startswith("bench.") and m not in reached) == []
+
+
+def test_every_bench_module_finds_what_it_imports_from_the_project():
+    """A name moved out of a module breaks a bench the suite never runs (bench/ggml_products.py once imported F32
+    from where it had left); a peer's own package missing here (AirLLM, llama-cpp-python) is no fault."""
+    import importlib
+    import sys
+    project = {name.split(".")[0] for name in module_files()}
+    broken = {}
+    for module in sorted(m for m in module_files() if m.startswith("bench.")):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name and error.name.split(".")[0] in project:
+                broken[module] = str(error)
+        except ImportError as error:
+            broken[module] = str(error)
+    assert broken == {} and "bench.products_bench" in sys.modules

@@ -7,7 +7,7 @@ speculative run and a one-token one, and only a chunk's last row has logits. So 
 `attention_rows` or more attends in the compute dtype, over its own keys, and one of `dense_rows` or more also
 multiplies the layer decoded dense once per pass instead of the packed codes; tree rows and one-token rows keep both
 bitwise. Measured on the default model, every layer resident, a pass of N prompt tokens, 2 cores, the ways in
-turn (`python -m bench.cpu_kernel_bench --parts prefill --repeats 6`, bench/results/cpu_prefill_routing.json),
+turn (`python cli.py bench cpu-kernel --parts prefill --repeats 6`, bench/results/cpu_prefill_routing.json),
 all-packed pass time over:
 
     N                                     64    128   256   512   1,024  2,048  4,096
