@@ -28,7 +28,8 @@ if __package__:                        # imported (bench all): bench.peers
     from bench.peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
 else:                                  # run as a script: bench/ is sys.path[0]
     from peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
-from offload.weights.disk_errors import StorageFullError, write_text_atomic, writing  # noqa: E402 (ROOT on sys.path)
+from offload.byte_units import parse_bytes  # noqa: E402 (ROOT on sys.path)
+from offload.weights.disk_errors import StorageFullError, write_text_atomic, writing  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -88,13 +89,6 @@ def model_folder(private_copy: bool) -> Path:
                     out.write(chunk)
             tmp.replace(dest)
     return target
-
-
-def parse_bytes(text: str) -> int:
-    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    text = text.strip().upper()
-    number = text.rstrip("KMGIB")
-    return int(float(number) * units[text[len(number):]])
 
 
 def progress(message: str) -> None:
@@ -174,64 +168,93 @@ def main() -> int:
     return 0
 
 
+ENTRY_KEYS = ("disk_read_bytes", "load_seconds", "tiers", "engine_device_bytes", "stream", "threads",
+              "device_map_values", "offload_store", "cpu_offloaded_layers", "airllm_version", "class", "prefetching",
+              "streamed_modules", "gc_collect_seconds", "gc_collect_calls", "seconds_per_token_without_gc_estimate",
+              "warmup_tokens")
+RATIOS = {"accelerate_disk_over_ours_disk_warm": ("accelerate_disk_warm", "ours_disk_warm"),
+          "accelerate_disk_cold_over_ours_disk_cold": ("accelerate_disk_cold", "ours_disk_cold"),
+          "accelerate_disk_over_ours_ram": ("accelerate_disk_warm", "ours_ram"),
+          "accelerate_cpu_over_ours_ram": ("accelerate_cpu", "ours_ram"),
+          "airllm_over_ours_disk_warm": ("airllm", "ours_disk_warm"),
+          "airllm_over_ours_ram": ("airllm", "ours_ram"),
+          "transformers_resident_over_ours_ram": ("transformers_resident", "ours_ram"),
+          "transformers_resident_over_ours_resident": ("transformers_resident", "ours_resident")}
+NOTES = [
+    "seconds_per_token = (t(last token) - t(first token)) / (tokens - 1): decode steps only, prefill excluded; "
+    "median over rounds; every engine in its own child process, run one after the other, same thread count",
+    "ratios are peer seconds_per_token / ours (>1: ours is faster), from the medians; min_seconds_per_token "
+    "and the samples show how much the neighbours disturbed a run",
+    "same device budget: our planner decides which layers stay resident at --gpu-mem; the accelerate peers get "
+    "a device_map with exactly those layers (and the embeddings, norm, LM head) on the main device",
+    "on a CPU-only machine the main device is the CPU: 'cpu' offload moves no bytes (see accelerate_cpu.what); "
+    "'disk' offload is real: transformers 5 points accelerate's offload index at the original "
+    "model.safetensors (already fp32), so offload_folder stays empty and weights are read from the checkpoint, "
+    "like our disk tier",
+    "all engines load the same HF folder: a private copy (under .cache/peers/model) of "
+    "offload.weights.resolve.resolve_model(None), so that no other process on the shared machine keeps its pages "
+    "mapped and the cold runs can really evict it",
+    "disk_read_bytes is /proc/self/io read_bytes during the timed decode: bytes that really came from storage "
+    "(0 when the page cache served them); it shows whether a 'cold' run was cold",
+    "the machine is shared (see host.load_average): absolute seconds are noisy, ratios within one run are the figures",
+    "omp_wait_policy: every engine process runs with this OMP_WAIT_POLICY. With the default (spinning) policy "
+    "and 2 threads on the oversubscribed 2-core machine, transformers' forward and our disk tier slowed by "
+    "10-25x (e.g. transformers_resident 1.5 s/token instead of 0.055; our disk tier 1.5 s instead of 0.11) "
+    "while our RAM tier did not: OpenMP barriers spin while the partner thread is descheduled. That measures "
+    "the neighbours, so the default is PASSIVE (same figures as 1 thread); --omp-wait-policy default reproduces it",
+    "airllm decodes --airllm-tokens tokens (it is slow on CPU), so same_tokens compares them with the first "
+    "tokens of ours (compared_tokens); its gc_collect_seconds is the time inside the gc.collect() AirLLM runs "
+    "after every streamed layer, and seconds_per_token_without_gc_estimate is informational only",
+]
+
+
+def engine_entry(engine: str, runs: list[dict], reference: list[int], hf_tokens: list[int] | None) -> dict:
+    """One engine's rounds: the median seconds per token, whether its tokens match ours (and transformers')."""
+    good = [r for r in runs if r.get("seconds_per_token") is not None]
+    entry: dict = {"what": WHAT[engine]}
+    if not good:
+        entry.update({k: v for k, v in runs[0].items() if k in ("error", "skipped", "traceback", "stderr_tail")})
+        return entry
+    last = good[-1]
+    tokens = last["token_ids"]
+    per_token = [r["seconds_per_token"] for r in good]
+    entry.update(seconds_per_token=round(statistics.median(per_token), 5), min_seconds_per_token=min(per_token),
+                 samples_seconds_per_token=per_token,
+                 tokens=last["tokens"], first_token_seconds=last.get("first_token_seconds"),
+                 same_tokens=tokens == reference[:len(tokens)] and len(tokens) > 0)
+    if len(tokens) < len(reference):
+        entry["compared_tokens"] = len(tokens)
+    if hf_tokens is not None:
+        entry["same_as_transformers"] = tokens == hf_tokens[:len(tokens)]
+    if not entry["same_tokens"]:
+        entry["token_ids"] = tokens
+    entry.update({key: last[key] for key in ENTRY_KEYS if key in last})
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        entry["failed_runs"] = errors
+    return entry
+
+
+def peer_ratios(results: dict) -> dict:
+    spt = {e: r["seconds_per_token"] for e, r in results.items() if "seconds_per_token" in r}
+    return {name: round(spt[peer] / spt[ours], 3) if peer in spt and ours in spt else None
+            for name, (peer, ours) in RATIOS.items()}
+
+
 def build_report(args, cfg: dict, engines: list[str], samples: dict, wall: float) -> dict:
     import torch
     reference = samples["ours_ram"][0]["token_ids"]
     hf_tokens = next((s["token_ids"] for s in samples.get("transformers_resident", []) if "token_ids" in s), None)
-    results = {}
-    for engine in engines:
-        runs = samples[engine]
-        good = [r for r in runs if r.get("seconds_per_token") is not None]
-        entry: dict = {"what": WHAT[engine]}
-        if not good:
-            entry.update({k: v for k, v in runs[0].items() if k in ("error", "skipped", "traceback", "stderr_tail")})
-            results[engine] = entry
-            continue
-        last = good[-1]
-        tokens = last["token_ids"]
-        per_token = [r["seconds_per_token"] for r in good]
-        entry.update(seconds_per_token=round(statistics.median(per_token), 5), min_seconds_per_token=min(per_token),
-                     samples_seconds_per_token=per_token,
-                     tokens=last["tokens"], first_token_seconds=last.get("first_token_seconds"),
-                     same_tokens=tokens == reference[:len(tokens)] and len(tokens) > 0)
-        if len(tokens) < len(reference):
-            entry["compared_tokens"] = len(tokens)
-        if hf_tokens is not None:
-            entry["same_as_transformers"] = tokens == hf_tokens[:len(tokens)]
-        if not entry["same_tokens"]:
-            entry["token_ids"] = tokens
-        for key in ("disk_read_bytes", "load_seconds", "tiers", "engine_device_bytes", "stream", "threads",
-                    "device_map_values", "offload_store", "cpu_offloaded_layers", "airllm_version", "class",
-                    "prefetching", "streamed_modules", "gc_collect_seconds", "gc_collect_calls",
-                    "seconds_per_token_without_gc_estimate", "warmup_tokens"):
-            if key in last:
-                entry[key] = last[key]
-        errors = [r["error"] for r in runs if "error" in r]
-        if errors:
-            entry["failed_runs"] = errors
-        results[engine] = entry
-    spt = {e: r["seconds_per_token"] for e, r in results.items() if "seconds_per_token" in r}
-
-    def ratio(peer: str, ours: str):
-        return round(spt[peer] / spt[ours], 3) if peer in spt and ours in spt else None
-
-    ratios = {
-        "accelerate_disk_over_ours_disk_warm": ratio("accelerate_disk_warm", "ours_disk_warm"),
-        "accelerate_disk_cold_over_ours_disk_cold": ratio("accelerate_disk_cold", "ours_disk_cold"),
-        "accelerate_disk_over_ours_ram": ratio("accelerate_disk_warm", "ours_ram"),
-        "accelerate_cpu_over_ours_ram": ratio("accelerate_cpu", "ours_ram"),
-        "airllm_over_ours_disk_warm": ratio("airllm", "ours_disk_warm"),
-        "airllm_over_ours_ram": ratio("airllm", "ours_ram"),
-        "transformers_resident_over_ours_ram": ratio("transformers_resident", "ours_ram"),
-        "transformers_resident_over_ours_resident": ratio("transformers_resident", "ours_resident"),
-    }
+    results = {engine: engine_entry(engine, samples[engine], reference, hf_tokens) for engine in engines}
+    ratios = peer_ratios(results)
     like_for_like = [ratios["accelerate_disk_over_ours_disk_warm"], ratios["accelerate_disk_cold_over_ours_disk_cold"]]
     goal = {"target": "our streamed decoding >= 2x faster per token than accelerate disk offload",
             "met_disk_vs_disk": all(r is not None and r >= 2 for r in like_for_like) if any(like_for_like) else None,
             "met_default_plan_ram_vs_accelerate_disk": (ratios["accelerate_disk_over_ours_ram"] or 0) >= 2
             if ratios["accelerate_disk_over_ours_ram"] is not None else None}
     return {
-        "benchmark": "peers", "model": portable(cfg.get("model_path")), "private_copy": not args.no_private_copy, "dtype": "fp32", "device": "cpu",
+        "benchmark": "peers", "model": portable(cfg.get("model_path")), "private_copy": not args.no_private_copy,
+        "dtype": "fp32", "device": "cpu",
         "gpu_mem_bytes": cfg["gpu_mem"], "max_context": cfg["max_context"], "threads": cfg["threads"],
         "max_new_tokens": cfg["max_new_tokens"], "airllm_tokens": cfg["airllm_tokens"], "rounds": args.rounds,
         "warmup_tokens": cfg["warmup_tokens"],
@@ -243,33 +266,7 @@ def build_report(args, cfg: dict, engines: list[str], samples: dict, wall: float
                  "torch": torch.__version__, "transformers": _version("transformers"),
                  "accelerate": _version("accelerate")},
         "wall_seconds": round(wall, 1),
-        "engines": results, "ratios": ratios, "goal": goal,
-        "notes": [
-            "seconds_per_token = (t(last token) - t(first token)) / (tokens - 1): decode steps only, prefill excluded; "
-            "median over rounds; every engine in its own child process, run one after the other, same thread count",
-            "ratios are peer seconds_per_token / ours (>1: ours is faster), from the medians; min_seconds_per_token "
-            "and the samples show how much the neighbours disturbed a run",
-            "same device budget: our planner decides which layers stay resident at --gpu-mem; the accelerate peers get "
-            "a device_map with exactly those layers (and the embeddings, norm, LM head) on the main device",
-            "on a CPU-only machine the main device is the CPU: 'cpu' offload moves no bytes (see accelerate_cpu.what); "
-            "'disk' offload is real: transformers 5 points accelerate's offload index at the original "
-            "model.safetensors (already fp32), so offload_folder stays empty and weights are read from the checkpoint, "
-            "like our disk tier",
-            "all engines load the same HF folder: a private copy (under .cache/peers/model) of "
-            "offload.weights.resolve.resolve_model(None), so that no other process on the shared machine keeps its pages "
-            "mapped and the cold runs can really evict it",
-            "disk_read_bytes is /proc/self/io read_bytes during the timed decode: bytes that really came from storage "
-            "(0 when the page cache served them); it shows whether a 'cold' run was cold",
-            "the machine is shared (see host.load_average): absolute seconds are noisy, ratios within one run are the figures",
-            "omp_wait_policy: every engine process runs with this OMP_WAIT_POLICY. With the default (spinning) policy "
-            "and 2 threads on the oversubscribed 2-core machine, transformers' forward and our disk tier slowed by "
-            "10-25x (e.g. transformers_resident 1.5 s/token instead of 0.055; our disk tier 1.5 s instead of 0.11) "
-            "while our RAM tier did not: OpenMP barriers spin while the partner thread is descheduled. That measures "
-            "the neighbours, so the default is PASSIVE (same figures as 1 thread); --omp-wait-policy default reproduces it",
-            "airllm decodes --airllm-tokens tokens (it is slow on CPU), so same_tokens compares them with the first "
-            "tokens of ours (compared_tokens); its gc_collect_seconds is the time inside the gc.collect() AirLLM runs "
-            "after every streamed layer, and seconds_per_token_without_gc_estimate is informational only",
-        ],
+        "engines": results, "ratios": ratios, "goal": goal, "notes": NOTES,
     }
 
 
