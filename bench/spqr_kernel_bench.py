@@ -131,7 +131,8 @@ def from_args(args) -> dict:
               "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "torch": torch.__version__,
               "quantization": json.loads(config_file.read_text()).get("quantization_config")}
-    models = {k: kernel_bench._load(args.checkpoint, k) for k in kernel_bench.KERNELS} if set(parts) - {"stream"} else {}
+    models = {k: kernel_bench._load(args.checkpoint, k) for k in kernel_bench.KERNELS} \
+        if set(parts) - {"stream"} else {}
     if "outliers" in parts:
         result["outliers"] = outliers(models["packed"], args.repeats)
     if "decode" in parts:

@@ -1,7 +1,8 @@
 """bench: benchmarks that print JSON (draft, spec, stream, batch, serve, quant, quant-disk, tree-simulation,
 self-draft, startup, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products), the whole suite with
-its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES) names each subcommand with its help, its flags and its handler: a subcommand
-cannot exist without a handler, nor a handler be reached by a name the parser does not know."""
+its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES) names each
+subcommand with its help, its flags and its handler: a subcommand cannot exist without a handler, nor a handler be
+reached by a name the parser does not know."""
 from __future__ import annotations
 
 import json
@@ -265,7 +266,8 @@ BENCHES: dict[str, Bench] = {
                         "prefill, decode (and llama.cpp), context, streaming, quality", cpu_flags.cpu_kernel_flags,
                         _cpu_bench("cpu_kernel_bench")),
     "spqr-kernel": Bench("a SpQR checkpoint on the CPU's int4 kernel vs dequantized fp32 products: outliers, decode, "
-                         "streaming, perplexity, quality", cpu_flags.spqr_kernel_flags, _cpu_bench("spqr_kernel_bench")),
+                         "streaming, perplexity, quality", cpu_flags.spqr_kernel_flags,
+                         _cpu_bench("spqr_kernel_bench")),
     "step-profile": Bench("where a one-token CPU decode step spends its time, part by part (optionally against "
                           "another checkout)", cpu_flags.step_profile_flags, _cpu_bench("cpu_step_profile")),
     "products": Bench("one token's matrix products, ours vs ggml's own, at Llama-3.2-1B and 3.1-8B shapes",

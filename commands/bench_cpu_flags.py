@@ -25,7 +25,8 @@ def _quality(parser) -> None:
 def cpu_kernel_flags(parser) -> None:
     add_target(parser, "GGUF target (default: embedded model)")
     parser.add_argument("--parts", default=None,
-                        help="comma-separated, from crossover, prefill, decode, context, stream, quality (default: all)")
+                        help="comma-separated, from crossover, prefill, decode, context, stream, quality "
+                             "(default: all)")
     _quality(parser)
     parser.add_argument("--llama-cpp", nargs="?", const=PEERS_PYTHON, default=None, metavar="PYTHON",
                         help="decode: also llama.cpp, from this Python's environment (no value: .venv-peers)")
@@ -59,7 +60,8 @@ def step_profile_flags(parser) -> None:
 
 
 def products_flags(parser) -> None:
-    parser.add_argument("--shapes", default="1b,8b", help="Llama-3.2-1B and Llama-3.1-8B layers: 1b, 8b (default: both)")
+    parser.add_argument("--shapes", default="1b,8b",
+                        help="Llama-3.2-1B and Llama-3.1-8B layers: 1b, 8b (default: both)")
     parser.add_argument("--types", default="q4_0,q4_k,q4_k_m",
                         help="the synthetic files' types (default: q4_0,q4_k,q4_k_m)")
     parser.add_argument("--rounds", type=int, default=3, help="the engines in turn, this many times (default: 3)")
