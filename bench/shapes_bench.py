@@ -2,17 +2,17 @@
 and synthetic files of Llama-3.2-1B's and Llama-3.1-8B's decoder shapes (bench/synthetic_gguf.NAMED_SHAPES:
 random valid blocks, so speed only) in Q4_0, Q4_1 and Q4_K.
 
-    .venv/bin/python -m bench.shapes_bench --out bench/results/cpu_shapes_vs_llama_cpp.json
+    python cli.py bench shapes --out bench/results/cpu_shapes_vs_llama_cpp.json
 
 Per file: llama.cpp (bench/llama_cpp_runner.py in its own environment) and ours resident with the packed int4
 kernel (bench/shapes_ours.py), each in its own process, taken in turn --rounds times: greedy decode tok/s
 after a warm-up (prefill excluded: the same prompt ids) and one 512-token prefill from an empty cache. Then
 ours streamed, every layer from host RAM and from a cold disk, dense and packed. Where ours falls short, the
 same run says why: the bytes each engine reads per token, the int4 kernel's time per token from a profile
-of the timed steps, and what is left of a step besides it. Prints one summary line, then the JSON."""
+of the timed steps, and what is left of a step besides it. `specstream bench shapes` runs it (flags:
+commands/bench_cpu_flags.py): one summary line and a table, then the JSON."""
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -191,36 +191,18 @@ def _tuple(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    defaults = ShapesBenchConfig()
-    parser.add_argument("--shapes", default=",".join(defaults.shapes), help="default, 1b, 8b")
-    parser.add_argument("--types", default=",".join(defaults.types), help="the synthetic files' types")
-    for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds", "stream_steps", "threads", "timeout"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    parser.add_argument("--stream-tiers", default=",".join(defaults.stream_tiers), help="ram, disk (none: '')")
-    parser.add_argument("--stream-kernels", default=",".join(defaults.stream_kernels), help="dense, packed, ggml")
-    parser.add_argument("--resident-kernels", default=",".join(defaults.resident_kernels),
-                        help="packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml)")
-    parser.add_argument("--omp-wait-policy", default=defaults.omp_wait_policy, choices=("default", "PASSIVE", "ACTIVE"),
-                        help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    config = ShapesBenchConfig(_tuple(args.shapes), _tuple(args.types), args.new_tokens, args.warmup_tokens,
-                               args.prefill_tokens, args.rounds, args.stream_steps, _tuple(args.stream_tiers),
-                               _tuple(args.stream_kernels), args.threads, args.timeout, args.omp_wait_policy,
-                               _tuple(args.resident_kernels))
-    result = {"command": " ".join(["python -m bench.shapes_bench", *(argv if argv is not None else sys.argv[1:])]),
-              **run_shapes_bench(config, lambda m: print(m, file=sys.stderr, flush=True))}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print("cpu-shapes: " + "; ".join(f"{f['file']}: decode x{f.get('decode_over_llama_cpp')}, prefill "
-                                     f"x{f.get('prefill_over_llama_cpp')}" for f in result["files"]))
-    print(markdown_table(result))
-    print(text)
-    return 0
+def from_args(args) -> dict:
+    """The config's defaults, less the flags given (flags: commands/bench_cpu_flags.py)."""
+    given = {name: getattr(args, name) for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds",
+                                                    "stream_steps", "threads", "timeout", "omp_wait_policy")
+             if getattr(args, name) is not None}
+    given.update({name: _tuple(getattr(args, name)) for name in ("shapes", "types", "stream_tiers",
+                                                                 "stream_kernels", "resident_kernels")
+                  if getattr(args, name) is not None})
+    return run_shapes_bench(ShapesBenchConfig(**given), lambda m: print(m, file=sys.stderr, flush=True))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def headline(result: dict) -> str:
+    return ("cpu-shapes: " + "; ".join(f"{f['file']}: decode x{f.get('decode_over_llama_cpp')}, prefill "
+                                       f"x{f.get('prefill_over_llama_cpp')}" for f in result["files"])
+            + "\n" + markdown_table(result))

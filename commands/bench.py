@@ -1,8 +1,8 @@
 """bench: benchmarks that print JSON (draft, spec, stream, batch, serve, quant, quant-disk, tree-simulation,
-self-draft, startup, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products), the whole suite with
-its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES) names each
-subcommand with its help, its flags and its handler: a subcommand cannot exist without a handler, nor a handler be
-reached by a name the parser does not know."""
+self-draft, startup, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products, shapes), the whole
+suite with its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES)
+names each subcommand with its help, its flags and its handler: a subcommand cannot exist without a handler, nor
+a handler be reached by a name the parser does not know."""
 from __future__ import annotations
 
 import json
@@ -272,6 +272,9 @@ BENCHES: dict[str, Bench] = {
                           "another checkout)", cpu_flags.step_profile_flags, _cpu_bench("cpu_step_profile")),
     "products": Bench("one token's matrix products, ours vs ggml's own, at Llama-3.2-1B and 3.1-8B shapes",
                       cpu_flags.products_flags, _cpu_bench("products_bench")),
+    "shapes": Bench("our CPU engine vs llama.cpp on the same GGUF files and threads: the default model and "
+                    "Llama-3.2-1B / 3.1-8B shapes, resident and streamed", cpu_flags.shapes_flags,
+                    _cpu_bench("shapes_bench")),
     "all": Bench("every benchmark and peer in one run: one JSON each and report.md with plots in --out",
                  flags.suite_flags, _bench_all, prints_json=False),
     "record": Bench("rewrite the generated blocks of docs/performance.md from a `bench all` folder",

@@ -1,5 +1,5 @@
-"""The flags of the CPU kernel benchmarks (`bench cpu-kernel`, `spqr-kernel`, `step-profile`, `products`): each
-bench/ module measures from them (from_args) and sums its result up in one line (headline)."""
+"""The flags of the CPU kernel benchmarks (`bench cpu-kernel`, `spqr-kernel`, `step-profile`, `products`,
+`shapes`): each bench/ module measures from them (from_args) and sums its result up (headline)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -69,4 +69,22 @@ def products_flags(parser) -> None:
     parser.add_argument("--cold-bytes", type=int, default=None,
                         help="copies of each matrix taken in turn, this many bytes in all (0: one copy, cache-hot; "
                              "default: 96 MiB, three times this machine's L3)")
+    _out(parser)
+
+
+def shapes_flags(parser) -> None:
+    """Defaults (None here): bench/shapes_bench.py's ShapesBenchConfig."""
+    parser.add_argument("--shapes", default=None, help="default, 1b, 8b (default: all three)")
+    parser.add_argument("--types", default=None, help="the synthetic files' types (default: q4_0,q4_1,q4_k)")
+    for name, default in (("new-tokens", 16), ("warmup-tokens", 4), ("prefill-tokens", 512), ("rounds", 1),
+                          ("stream-steps", 4), ("threads", 2), ("timeout", 1800)):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"(default: {default})")
+    parser.add_argument("--stream-tiers", default=None, help="ram, disk; '' for none (default: ram,disk)")
+    parser.add_argument("--stream-kernels", default=None, help="dense, packed, ggml (default: dense,packed)")
+    parser.add_argument("--resident-kernels", default=None,
+                        help="packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml) "
+                             "(default: packed)")
+    parser.add_argument("--omp-wait-policy", default=None, choices=("default", "PASSIVE", "ACTIVE"),
+                        help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them) "
+                             "(default: PASSIVE)")
     _out(parser)
