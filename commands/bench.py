@@ -218,6 +218,8 @@ def _cpu_bench(module_name: str) -> Callable[[object, object], dict]:
         import importlib
         import shlex
         from bench.suite_steps import scrub
+        if args.out and not args.out.resolve().parent.is_dir():     # refused before minutes of measuring
+            raise FileNotFoundError(f"--out {args.out}: its folder does not exist")
         module = importlib.import_module(f"bench.{module_name}")
         result = scrub({"command": shlex.join(["specstream", *args.argv]), **module.from_args(args)})
         if args.out:
