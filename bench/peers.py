@@ -1,16 +1,16 @@
 """Peers side by side in one run: per-token latency of our streamed decoding vs transformers +
 accelerate offload and AirLLM, at the same device budget, same model, same prompt, same greedy tokens.
 
-    .venv/bin/python bench/peers.py --max-new-tokens 32 --gpu-mem 450MiB [--json]
+    python cli.py bench peers --max-new-tokens 32 --gpu-mem 450MiB --out bench/results/peers.json [--json]
 
 Every engine (bench/peer_engines.py) runs in its own child process (one after the other, never two at
-once), so no engine sees another's memory maps, page cache state or threads; the children are this same
-script with `--child ENGINE`, and AirLLM is bench/airllm_runner.py inside .venv-peers (scripts/setup_peers.sh).
+once), so no engine sees another's memory maps, page cache state or threads; the children are this file run
+as a script with `--child ENGINE`, and AirLLM is bench/airllm_runner.py inside .venv-peers (scripts/setup_peers.sh).
 Each child loads its engine, warms up, then times one greedy decode; the parent repeats the whole
 sequence `--rounds` times and reports the median. seconds_per_token is the decode-step latency:
 (time of the last token - time of the first token) / (tokens - 1), i.e. prefill excluded; the first
 token's latency is reported separately. Ratios are peer / ours per-token latency (>1: we are faster).
-The one JSON object is saved to --out (default bench/results/peers.json) and printed with --json.
+`bench peers` prints a table (unless --json) and the one JSON object, also written to --out.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ if __package__:                        # imported (bench all): bench.peers
 else:                                  # run as a script: bench/ is sys.path[0]
     from peer_engines import CACHE, ENGINES, ROOT, WHAT, portable, run_child
 from offload.byte_units import parse_bytes  # noqa: E402 (ROOT on sys.path)
-from offload.weights.disk_errors import StorageFullError, write_text_atomic, writing  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers/bin/python"
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -95,76 +94,64 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--gpu-mem", default="450MiB", help="device budget (our planner and the peers' split)")
-    parser.add_argument("--max-context", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every engine")
-    parser.add_argument("--rounds", type=int, default=3, help="repeat the in-venv engines; the median is reported")
-    parser.add_argument("--airllm-tokens", type=int, default=8,
-                        help="AirLLM is slow on CPU: it decodes this many tokens (compared as a prefix of ours)")
-    parser.add_argument("--warmup-tokens", type=int, default=4, help="untimed decode before the timed one")
-    parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("default", "PASSIVE", "ACTIVE"),
-                        help="OMP_WAIT_POLICY for every engine's process ('default': leave the environment as is). "
-                             "PASSIVE because on a shared, oversubscribed machine spinning OpenMP barriers "
-                             "slow some engines 10-25x depending on the neighbours, not on offloading")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--no-private-copy", action="store_true",
-                        help="run on the default model folder itself, not a copy under .cache/peers/model "
-                             "(cold runs are then not cold while other processes map the file)")
-    parser.add_argument("--timeout", type=int, default=420, help="seconds per child process")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
-    parser.add_argument("--json", action="store_true", help="print the JSON object (else a table)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--cfg", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        run_child(args.child, json.loads(args.cfg))
-        return 0
-
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+def from_args(args) -> dict:
+    """Every engine in turn, --rounds times, each in its own child process (flags: commands/bench_flags.py)."""
+    engines = [e.strip() for e in (args.engines or ",".join(ENGINES)).split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
-        parser.error(f"unknown engines: {', '.join(sorted(unknown))}")
+        raise ValueError(f"--engines: unknown engines {', '.join(sorted(unknown))}: choose from {', '.join(ENGINES)}")
     if "ours_ram" not in engines:
         engines.insert(0, "ours_ram")       # the reference: tokens, prompt ids, resident-layer count
     cfg = {"gpu_mem": parse_bytes(args.gpu_mem), "max_context": args.max_context, "threads": args.threads,
-           "max_new_tokens": args.max_new_tokens, "prompt": args.prompt, "airllm_tokens": args.airllm_tokens,
-           "warmup_tokens": args.warmup_tokens, "omp_wait_policy": args.omp_wait_policy,
-           "model_path": str(model_folder(not args.no_private_copy))}
+           "max_new_tokens": args.max_new_tokens, "prompt": args.prompt or DEFAULT_PROMPT,
+           "airllm_tokens": args.airllm_tokens, "warmup_tokens": args.warmup_tokens,
+           "omp_wait_policy": args.omp_wait_policy, "model_path": str(model_folder(not args.no_private_copy))}
     wall = time.perf_counter()
+    samples = _samples(engines, cfg, args.rounds, args.timeout)
+    report = build_report(args, cfg, engines, samples, time.perf_counter() - wall)
+    return report
+
+
+def _samples(engines: list[str], cfg: dict, rounds: int, timeout: int) -> dict[str, list[dict]]:
     samples: dict[str, list[dict]] = {e: [] for e in engines}
-    for round_index in range(args.rounds):
+    for round_index in range(rounds):
         for engine in engines:
             if engine == "airllm" and round_index > 0:
                 continue                      # minutes per run on CPU; once is enough
-            progress(f"[round {round_index + 1}/{args.rounds}] {engine} ...")
+            progress(f"[round {round_index + 1}/{rounds}] {engine} ...")
             started = time.perf_counter()
-            result = run_engine(engine, cfg, args.timeout)
+            result = run_engine(engine, cfg, timeout)
             result["child_wall_seconds"] = round(time.perf_counter() - started, 2)
             samples[engine].append(result)
             progress(f"    {engine}: {result.get('seconds_per_token', result.get('error') or result.get('skipped'))}")
             if engine == "ours_ram" and round_index == 0:
                 if "error" in result:
-                    progress(json.dumps(result, indent=1))
-                    return 1
+                    raise RuntimeError(f"our engine failed, so no peer is compared: {json.dumps(result)[:2000]}")
                 cfg.update(prompt_ids=result["prompt_ids"], resident_layers=result["tiers"]["device"])
-    report = build_report(args, cfg, engines, samples, time.perf_counter() - wall)
-    try:
-        with writing(args.out, "nothing on disk (the report is printed to stdout instead)",
-                     "rerun the same bench/peers.py command"):
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(args.out, json.dumps(report, indent=1) + "\n")
-    except StorageFullError as err:     # the measurements took minutes: print them rather than lose them
-        print(json.dumps(report, indent=1))
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_table(report)
+    return samples
+
+
+def headline(report: dict) -> str:
+    """The engines' seconds per token, the ratios and the goal, as a table."""
+    lines = [f"{'engine':24} {'s/token':>9} {'tokens':>6} {'same':>5} {'disk MB':>8}"]
+    for engine, r in report["engines"].items():
+        if "seconds_per_token" not in r:
+            lines.append(f"{engine:24} {r.get('error') or r.get('skipped')}")
+            continue
+        read = r.get("disk_read_bytes")
+        lines.append(f"{engine:24} {r['seconds_per_token']:9.4f} {r['tokens']:6d} {str(r['same_tokens']):>5} "
+                     f"{(read or 0) / 1e6:8.1f}")
+    lines += [f"{name:45} {value}" for name, value in report["ratios"].items()]
+    return "\n".join([*lines, json.dumps(report["goal"])])
+
+
+def _child(argv: list[str]) -> int:
+    """A child of from_args: one engine's run (`--child ENGINE --cfg JSON`), its result on one JSON line."""
+    parser = argparse.ArgumentParser(description="one engine's run")
+    parser.add_argument("--child", required=True, choices=ENGINES)
+    parser.add_argument("--cfg", required=True)
+    args = parser.parse_args(argv)
+    run_child(args.child, json.loads(args.cfg))
     return 0
 
 
@@ -278,19 +265,5 @@ def _version(name: str) -> str | None:
         return None
 
 
-def print_table(report: dict) -> None:
-    print(f"{'engine':24} {'s/token':>9} {'tokens':>6} {'same':>5} {'disk MB':>8}")
-    for engine, r in report["engines"].items():
-        if "seconds_per_token" not in r:
-            print(f"{engine:24} {r.get('error') or r.get('skipped')}")
-            continue
-        read = r.get("disk_read_bytes")
-        print(f"{engine:24} {r['seconds_per_token']:9.4f} {r['tokens']:6d} {str(r['same_tokens']):>5} "
-              f"{(read or 0) / 1e6:8.1f}")
-    for name, value in report["ratios"].items():
-        print(f"{name:45} {value}")
-    print(json.dumps(report["goal"]))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_child(sys.argv[1:]))

@@ -195,15 +195,15 @@ def run_draft(ctx: SuiteContext) -> dict:
 
 
 def run_peers(ctx: SuiteContext) -> dict:
-    """bench/peers.py (each engine in its own process, AirLLM in .venv-peers) on the suite's first prompt."""
+    """`bench peers` (each engine in its own process, AirLLM in .venv-peers) on the suite's first prompt."""
     c, out = ctx.config, ctx.out / "peers.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench/peers.py"), "--max-new-tokens", str(c.peer_tokens), "--rounds",
+    cmd = [sys.executable, "-m", "cli", "bench", "peers", "--max-new-tokens", str(c.peer_tokens), "--rounds",
            str(c.peer_rounds), "--airllm-tokens", str(c.airllm_tokens), "--threads", str(c.threads),
            "--engines", ",".join(c.peer_engines), "--prompt", ctx.prompt_text, "--out", str(out)]
     code, tail = stream_process(cmd, ctx.status)
     if not out.is_file():
-        return {"error": f"bench/peers.py exited {code} without a report: {tail}"}
+        return {"error": f"bench peers exited {code} without a report: {tail}"}
     return json.loads(out.read_text())
 
 

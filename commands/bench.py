@@ -1,8 +1,8 @@
 """bench: benchmarks that print JSON (draft, spec, stream, batch, serve, quant, quant-disk, tree-simulation,
-self-draft, startup, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products, shapes), the whole
-suite with its report (all) and the generated record (record); their code lives in bench/. One table (BENCHES)
-names each subcommand with its help, its flags and its handler: a subcommand cannot exist without a handler, nor
-a handler be reached by a name the parser does not know."""
+self-draft, startup, peers, and the CPU kernels': cpu-kernel, spqr-kernel, step-profile, products, shapes), the
+whole suite with its report (all) and the generated record (record); their code lives in bench/. One table
+(BENCHES) names each subcommand with its help, its flags and its handler: a subcommand cannot exist without a
+handler, nor a handler be reached by a name the parser does not know."""
 from __future__ import annotations
 
 import json
@@ -212,20 +212,26 @@ def _bench_all(args, console) -> dict:
     return {}
 
 
-def _cpu_bench(module_name: str) -> Callable[[object, object], dict]:
-    """A CPU kernel bench: its bench/ module measures (from_args) and sums the result up in one line (headline)."""
+def _module_bench(module_name: str) -> Callable[[object, object], dict]:
+    """A bench whose bench/ module measures from the flags (from_args) and sums the result up (headline); the
+    result carries its command line, and goes to --out too."""
     def run(args, console) -> dict:
         import importlib
         import shlex
         from bench.suite_steps import scrub
+        from offload.weights.disk_errors import write_text_atomic
         if args.out and not args.out.resolve().parent.is_dir():     # refused before minutes of measuring
             raise FileNotFoundError(f"--out {args.out}: its folder does not exist")
         module = importlib.import_module(f"bench.{module_name}")
         result = scrub({"command": shlex.join(["specstream", *args.argv]), **module.from_args(args)})
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
         if not args.json:
             console.print(module.headline(result), highlight=False)
+        if args.out:
+            try:
+                write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+            except OSError:
+                print(json.dumps(result))            # minutes of measurements: printed rather than lost
+                raise
         return result
     return run
 
@@ -266,17 +272,19 @@ BENCHES: dict[str, Bench] = {
                      "its import", flags.startup_flags, _bench_startup),
     "cpu-kernel": Bench("the CPU's packed kernel (int4 or ggml) vs dense fp32 on one GGUF: pass-size crossover, "
                         "prefill, decode (and llama.cpp), context, streaming, quality", cpu_flags.cpu_kernel_flags,
-                        _cpu_bench("cpu_kernel_bench")),
+                        _module_bench("cpu_kernel_bench")),
     "spqr-kernel": Bench("a SpQR checkpoint on the CPU's int4 kernel vs dequantized fp32 products: outliers, decode, "
                          "streaming, perplexity, quality", cpu_flags.spqr_kernel_flags,
-                         _cpu_bench("spqr_kernel_bench")),
+                         _module_bench("spqr_kernel_bench")),
     "step-profile": Bench("where a one-token CPU decode step spends its time, part by part (optionally against "
-                          "another checkout)", cpu_flags.step_profile_flags, _cpu_bench("cpu_step_profile")),
+                          "another checkout)", cpu_flags.step_profile_flags, _module_bench("cpu_step_profile")),
     "products": Bench("one token's matrix products, ours vs ggml's own, at Llama-3.2-1B and 3.1-8B shapes",
-                      cpu_flags.products_flags, _cpu_bench("products_bench")),
+                      cpu_flags.products_flags, _module_bench("products_bench")),
     "shapes": Bench("our CPU engine vs llama.cpp on the same GGUF files and threads: the default model and "
                     "Llama-3.2-1B / 3.1-8B shapes, resident and streamed", cpu_flags.shapes_flags,
-                    _cpu_bench("shapes_bench")),
+                    _module_bench("shapes_bench")),
+    "peers": Bench("per-token latency of our streamed decoding vs transformers + accelerate offload and AirLLM at the "
+                   "same device budget, each engine in its own process", flags.peers_flags, _module_bench("peers")),
     "all": Bench("every benchmark and peer in one run: one JSON each and report.md with plots in --out",
                  flags.suite_flags, _bench_all, prints_json=False),
     "record": Bench("rewrite the generated blocks of docs/performance.md from a `bench all` folder",

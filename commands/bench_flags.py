@@ -207,3 +207,30 @@ def quant_disk_flags(disk) -> None:
 def startup_flags(startup) -> None:
     startup.add_argument("--rounds", type=int, default=5,
                          help="later starts per path, taken in turn; medians (default: 5)")
+
+
+def peers_flags(peers) -> None:
+    peers.add_argument("--max-new-tokens", type=int, default=32, help="timed greedy tokens (default: 32)")
+    peers.add_argument("--gpu-mem", default="450MiB",
+                       help="device budget: our planner's, and the peers' split from it (default: 450MiB)")
+    peers.add_argument("--max-context", type=int, default=512, help="(default: 512)")
+    peers.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every engine (default: 2)")
+    peers.add_argument("--rounds", type=int, default=3, help="the in-venv engines in turn; medians (default: 3)")
+    peers.add_argument("--airllm-tokens", type=int, default=8,
+                       help="AirLLM is slow on a CPU: it decodes this many tokens, compared as a prefix of ours "
+                            "(default: 8)")
+    peers.add_argument("--warmup-tokens", type=int, default=4, help="untimed decode before the timed one (default: 4)")
+    peers.add_argument("--omp-wait-policy", default="PASSIVE", choices=("default", "PASSIVE", "ACTIVE"),
+                       help="OMP_WAIT_POLICY of every engine's process ('default': the environment's). PASSIVE: on a "
+                            "shared, oversubscribed machine spinning OpenMP barriers slow some engines 10-25x "
+                            "(default: PASSIVE)")
+    peers.add_argument("--engines", default=None,
+                       help="comma-separated subset of ours_ram, ours_disk_warm, ours_disk_cold, ours_resident, "
+                            "accelerate_cpu, accelerate_disk_warm, accelerate_disk_cold, transformers_resident, airllm "
+                            "(default: all)")
+    peers.add_argument("--prompt", default=None, help="(default: a short-story request)")
+    peers.add_argument("--no-private-copy", action="store_true",
+                       help="run on the default model folder itself, not a copy under .cache/peers/model (cold runs "
+                            "are then not cold while other processes map the file)")
+    peers.add_argument("--timeout", type=int, default=420, help="seconds per child process (default: 420)")
+    peers.add_argument("--out", type=Path, default=None, help="also write the JSON here, indented (default: none)")

@@ -47,6 +47,7 @@ def test_a_name_outside_the_table_is_one_error_line(capsys):
     (["step-profile", "--steps", "1"], "--steps must be at least 2"),
     (["products", "--shapes", "1b,3b"], "unknown shapes or types ['3b'] (shapes: 1b, 8b"),
     (["shapes", "--shapes", "default,3b"], "shapes ['3b']: choose from default, 1b, 8b"),
+    (["peers", "--engines", "ours_ram,nope"], "--engines: unknown engines nope: choose from ours_ram"),
     (["products", "--out", "no-such-folder/products.json"], "--out no-such-folder/products.json: its folder does not"),
 ])
 def test_bad_flags_are_one_error_line(capsys, argv, message):
