@@ -200,7 +200,7 @@ def run_peers(ctx: SuiteContext) -> dict:
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "cli", "bench", "peers", "--max-new-tokens", str(c.peer_tokens), "--rounds",
            str(c.peer_rounds), "--airllm-tokens", str(c.airllm_tokens), "--threads", str(c.threads),
-           "--engines", ",".join(c.peer_engines), "--prompt", ctx.prompt_text, "--out", str(out)]
+           "--engines", ",".join(c.peer_engines), "--prompt", ctx.prompt_text, "--out", str(out), "--json"]
     code, tail = stream_process(cmd, ctx.status)
     if not out.is_file():
         return {"error": f"bench peers exited {code} without a report: {tail}"}
