@@ -131,7 +131,7 @@ def run_tree_simulation(config: TreeSimulationConfig, on_status: Callable[[str],
         on_status(f"budget {budget}: {rows[-1]['tokens_per_pass']} tokens per pass")
     return {"bench": TREE_SIMULATION, "target": target.path.name, "draft": _draft_name(config, draft),
             "draft_dtype": str(draft.model.dtype).removeprefix("torch."), "cpu_kernel": config.cpu_kernel,
-            "growth_temperature": draft.growth_temperature,
+            "growth_temperature": draft.growth_temperature, "simulation_version": SIMULATION_VERSION,
             **({"shard": f"{config.shard[0]}/{config.shard[1]}"} if config.shard else {}),
             "num_prompts": len(chosen),
             "max_new_tokens": config.max_new_tokens, "answer_tokens": sum(len(a) for a in chosen_answers), "rows": rows}

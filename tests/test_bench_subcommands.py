@@ -8,6 +8,7 @@ import cli
 import textdata
 from commands.bench import BENCHES, cmd_bench
 from perf.projection import load_acceptance_curve
+from spec.simulation import SIMULATION_VERSION
 
 
 def bench_choices() -> dict:
@@ -65,6 +66,7 @@ def test_tree_simulation_writes_an_acceptance_source_plan_reads(tmp_path, capsys
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 2 and [row["budget"] for row in result["rows"]] == [1, 8]
+    assert result["simulation_version"] == SIMULATION_VERSION        # the growth that made the figures
     assert result["rows"][0]["tokens_per_pass"] == 1.0 < result["rows"][1]["tokens_per_pass"]
     for row in result["rows"]:          # each file's prompts apart: here one prompt each
         assert list(row["tokens_per_pass_by_file"]) == ["first.jsonl", "second.jsonl"]
