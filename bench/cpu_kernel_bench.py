@@ -36,7 +36,7 @@ from runtime.models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("dense", "packed")
 PARTS = ("crossover", "prefill", "decode", "context", "stream", "quality")
-PEERS_PYTHON = "peers"                   # --llama-cpp without a value (commands/bench_cpu_flags.py)
+PEERS_PYTHON = "peers"                   # --llama-cpp without a value: .venv-peers
 PASS_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128
 PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)

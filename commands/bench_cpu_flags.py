@@ -2,11 +2,13 @@
 `shapes`): each bench/ module measures from them (from_args) and sums its result up (headline)."""
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
-from .flags import add_target
+from bench.cpu_kernel_bench import PEERS_PYTHON
+from bench.shapes_bench import ShapesBenchConfig
 
-PEERS_PYTHON = "peers"     # --llama-cpp without a value: the peers' environment (bench/cpu_kernel_bench.py reads it)
+from .flags import add_target
 
 
 def _out(parser) -> None:
@@ -72,19 +74,21 @@ def products_flags(parser) -> None:
     _out(parser)
 
 
+def _listed(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
 def shapes_flags(parser) -> None:
-    """Defaults (None here): bench/shapes_bench.py's ShapesBenchConfig."""
-    parser.add_argument("--shapes", default=None, help="default, 1b, 8b (default: all three)")
-    parser.add_argument("--types", default=None, help="the synthetic files' types (default: q4_0,q4_1,q4_k)")
-    for name, default in (("new-tokens", 16), ("warmup-tokens", 4), ("prefill-tokens", 512), ("rounds", 1),
-                          ("stream-steps", 4), ("threads", 2), ("timeout", 1800)):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"(default: {default})")
-    parser.add_argument("--stream-tiers", default=None, help="ram, disk; '' for none (default: ram,disk)")
-    parser.add_argument("--stream-kernels", default=None, help="dense, packed, ggml (default: dense,packed)")
-    parser.add_argument("--resident-kernels", default=None,
-                        help="packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml) "
-                             "(default: packed)")
+    """Defaults (None here): ShapesBenchConfig's, which the help states from the config itself."""
+    default = {f.name: _listed(getattr(ShapesBenchConfig(), f.name)) for f in fields(ShapesBenchConfig)}
+    what = {"shapes": "default, 1b, 8b", "types": "the synthetic files' types",
+            "stream_tiers": "ram, disk; '' for none", "stream_kernels": "dense, packed, ggml",
+            "resident_kernels": "packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml)"}
+    for name, text in what.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=f"{text} (default: {default[name]})")
+    for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds", "stream_steps", "threads", "timeout"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"(default: {default[name]})")
     parser.add_argument("--omp-wait-policy", default=None, choices=("default", "PASSIVE", "ACTIVE"),
                         help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them) "
-                             "(default: PASSIVE)")
+                             f"(default: {default['omp_wait_policy']})")
     _out(parser)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.peer_engines import ENGINES
+
 from .flags import add_cpu_kernel, add_device, add_draft, add_dtype, add_target
 
 PROMPTS_HELP = 'JSONL files: lines with "prompt", MT-Bench "turns" (first turn) or "question"'
@@ -225,9 +227,7 @@ def peers_flags(peers) -> None:
                             "shared, oversubscribed machine spinning OpenMP barriers slow some engines 10-25x "
                             "(default: PASSIVE)")
     peers.add_argument("--engines", default=None,
-                       help="comma-separated subset of ours_ram, ours_disk_warm, ours_disk_cold, ours_resident, "
-                            "accelerate_cpu, accelerate_disk_warm, accelerate_disk_cold, transformers_resident, airllm "
-                            "(default: all)")
+                       help=f"comma-separated subset of {', '.join(ENGINES)} (default: all)")
     peers.add_argument("--prompt", default=None, help="(default: a short-story request)")
     peers.add_argument("--no-private-copy", action="store_true",
                        help="run on the default model folder itself, not a copy under .cache/peers/model (cold runs "
