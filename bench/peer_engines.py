@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache/peers"
-if str(ROOT) not in sys.path:          # run as a script (bench/peers.py starts each child this way)
+if not __package__ and str(ROOT) not in sys.path:   # imported by bench/peers.py run as a script (each child)
     sys.path.insert(0, str(ROOT))
 from offload.host_io import drop_page_cache, process_read_bytes  # noqa: E402
 
