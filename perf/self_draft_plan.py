@@ -23,7 +23,7 @@ from .result_formats import acceptance_points
 from .self_draft_cost import self_draft_cost
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SELF_CURVES = "bench/results/tree_simulation_self_{bits}bit.json"
+DEFAULT_SELF_CURVES = "bench/results/tree_simulation_self_{bits}bit_all_128.json"   # 124 prompts, 128 tokens
 CURVE_LABEL = "measured on the default pair (SmolLM2-135M drafting for itself), not this model"
 
 

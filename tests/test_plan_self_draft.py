@@ -14,7 +14,7 @@ from offload.planner import request_from_config
 from offload.weights.sizes import dtype_weight_bytes
 from perf.llama_cpp_offload import (GPU_READ_EFFICIENCY, LLAMA_CPP_BUFFER_BYTES, llama_cpp_weights,
                                     project_llama_cpp)
-from perf.self_draft_plan import SelfDraftReport, substitute_options
+from perf.self_draft_plan import SelfDraftReport, self_curves, substitute_options
 
 from test_plan_projection import CONFIGS, TINY, TINY_LAYER_BYTES
 
@@ -115,3 +115,14 @@ def test_bad_ram_gbps_is_one_line(tiny, capsys):
     assert cli.main(["plan", "--target", str(tiny), "--draft", "self", "--ram-gbps", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--ram-gbps must be positive" in err and "got 0" in err
+
+
+def test_default_curves_cover_every_width_and_budget():
+    """`plan --draft self` projects each width from the 124-prompt tree simulations shipped in bench/results/;
+    a width or budget missing there would leave that width unprojected or clamped at a smaller budget."""
+    curves = self_curves(None)
+    assert sorted(curves) == [2, 3, 4]
+    for bits, curve in curves.items():
+        assert not isinstance(curve, str), curve
+        assert [b for b, _ in curve.points] == [1, 16, 64, 256, 1024] and f"{bits}bit_all_128" in curve.source
+        assert all(a <= b for (_, a), (_, b) in zip(curve.points, curve.points[1:]))  # more budget, no fewer
