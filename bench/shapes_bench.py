@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from bench.shapes_cost import markdown_table, token_bytes, verdict
@@ -192,13 +192,12 @@ def _tuple(text: str) -> tuple[str, ...]:
 
 
 def from_args(args) -> dict:
-    """The config's defaults, less the flags given (flags: commands/bench_cpu_flags.py)."""
-    given = {name: getattr(args, name) for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds",
-                                                    "stream_steps", "threads", "timeout", "omp_wait_policy")
-             if getattr(args, name) is not None}
-    given.update({name: _tuple(getattr(args, name)) for name in ("shapes", "types", "stream_tiers",
-                                                                 "stream_kernels", "resident_kernels")
-                  if getattr(args, name) is not None})
+    """The config's defaults, less the flags given: one flag per field, comma-separated for a tuple field
+    (flags: commands/bench_cpu_flags.py)."""
+    defaults = ShapesBenchConfig()
+    given = {f.name: getattr(args, f.name) for f in fields(ShapesBenchConfig) if getattr(args, f.name) is not None}
+    given = {name: _tuple(value) if isinstance(getattr(defaults, name), tuple) else value
+             for name, value in given.items()}
     return run_shapes_bench(ShapesBenchConfig(**given), lambda m: print(m, file=sys.stderr, flush=True))
 
 

@@ -74,21 +74,20 @@ def products_flags(parser) -> None:
     _out(parser)
 
 
-def _listed(value) -> str:
-    return ",".join(value) if isinstance(value, tuple) else str(value)
-
-
 def shapes_flags(parser) -> None:
-    """Defaults (None here): ShapesBenchConfig's, which the help states from the config itself."""
-    default = {f.name: _listed(getattr(ShapesBenchConfig(), f.name)) for f in fields(ShapesBenchConfig)}
+    """One flag per ShapesBenchConfig field (None here: the config's default, which the help states from it);
+    a tuple field takes a comma-separated list (bench/shapes_bench.from_args)."""
+    defaults = ShapesBenchConfig()
     what = {"shapes": "default, 1b, 8b", "types": "the synthetic files' types",
             "stream_tiers": "ram, disk; '' for none", "stream_kernels": "dense, packed, ggml",
-            "resident_kernels": "packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml)"}
-    for name, text in what.items():
-        parser.add_argument("--" + name.replace("_", "-"), default=None, help=f"{text} (default: {default[name]})")
-    for name in ("new_tokens", "warmup_tokens", "prefill_tokens", "rounds", "stream_steps", "threads", "timeout"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"(default: {default[name]})")
-    parser.add_argument("--omp-wait-policy", default=None, choices=("default", "PASSIVE", "ACTIVE"),
-                        help="every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them) "
-                             f"(default: {default['omp_wait_policy']})")
+            "resident_kernels": "packed, ggml (ggml: ours through llama.cpp's libggml, --cpu-kernel ggml)",
+            "omp_wait_policy": "every engine's OMP_WAIT_POLICY ('default': the environment's, as a user runs them)"}
+    for field in fields(ShapesBenchConfig):
+        default = getattr(defaults, field.name)
+        kind = {"type": int} if isinstance(default, int) else {}
+        if field.name == "omp_wait_policy":
+            kind = {"choices": ("default", "PASSIVE", "ACTIVE")}
+        listed = ",".join(default) if isinstance(default, tuple) else default
+        text = f"{what[field.name]} (default: {listed})" if field.name in what else f"(default: {listed})"
+        parser.add_argument("--" + field.name.replace("_", "-"), default=None, help=text, **kind)
     _out(parser)
